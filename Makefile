@@ -1,0 +1,39 @@
+# trtforge: `make build TARGET=sm_86` and `make test` set everything up themselves.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+TARGET    ?= sm_86
+MODEL     ?=
+PRECISION ?=
+ARGS      ?=
+PORT      ?= 5000
+
+export MLFLOW_DISABLE_TELEMETRY ?= true
+export DO_NOT_TRACK ?= true
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+
+.PHONY: build test ui rebuild serve setup clean
+
+# (Re)install when pyproject.toml changes.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test,torch]'
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+build: $(STAMP)
+	$(PY) -m flows.build target=$(TARGET) $(if $(MODEL),model=$(MODEL)) $(if $(PRECISION),precision=$(PRECISION)) $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+ui: $(STAMP)
+	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(VENV)/bin/mlflow ui --workers 1 --host 127.0.0.1 --port $(PORT) \
+	  --backend-store-uri $${MLFLOW_TRACKING_URI:-sqlite:///$(CURDIR)/mlflow.db}
+
+clean:
+	rm -rf .trtforge out mlruns mlflow.db outputs multirun

@@ -1,0 +1,143 @@
+"""`python -m flows.build [--config-dir DIR] [-m] key=value ...`: one model to TensorRT engines for one target.
+
+The flow, on one screen: export -> partition -> build -> calibrate -> validate -> benchmark.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from flows.config import env_defaults
+
+env_defaults()  # before Prefect and MLflow are imported
+
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from prefect import flow, task  # noqa: E402
+from prefect.cache_policies import NONE  # noqa: E402
+
+from flows import stages  # noqa: E402
+from flows.cache import StageCache  # noqa: E402
+from flows.config import compose_config, flat_params, preflight  # noqa: E402
+from tasks.errors import ConfigError, TrtforgeError  # noqa: E402
+from tasks.util import replace_dir, write_json  # noqa: E402
+
+
+@task(task_run_name="{name}", cache_policy=NONE, persist_result=False)
+def stage(name: str, ctx: stages.BuildContext) -> None:
+    ctx.run(name, getattr(stages, name))
+
+
+@task(name="track", cache_policy=NONE, persist_result=False, retries=2, retry_delay_seconds=2)
+def track(**kwargs: Any) -> dict:
+    from flows.tracking import log_build
+
+    return log_build(**kwargs)
+
+
+@flow(name="trtforge-build", flow_run_name="{run_name}", validate_parameters=False, persist_result=False)
+def build_flow(ctx: stages.BuildContext, run_name: str) -> dict:
+    for name in ("export", "partition", "build", "calibrate", "validate", "benchmark"):
+        stage(name, ctx)
+    return publish(ctx)
+
+
+def publish(ctx: stages.BuildContext) -> dict:
+    """Write the summary and outputs in a temp folder, move it into place, then log the run to MLflow."""
+    cfg = ctx.cfg
+    ok = ctx.failed is None
+    summary: dict[str, Any] = {"model": cfg.model.name, "target": cfg.target.name, "precision": cfg.precision.name,
+                               "status": "ok" if ok else "failed", "engines": [], "engine": None,
+                               "stages": ctx.stages, "metrics": {}}
+    final = Path(cfg.out_dir) / cfg.model.name / cfg.target.name / (cfg.precision.name if ok else cfg.precision.name + ".failed")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
+    if ok:
+        summary["engines"] = stages.publish_engines(ctx, tmp)
+        summary["engine"] = summary["engines"][0]
+    m = ctx.metrics
+    m.setdefault("trt_subgraphs", m.get("trt_subgraphs", 0))
+    m.setdefault("fallback_nodes", m.get("fallback_nodes", 0))
+    summary["metrics"] = {k: v for k, v in sorted(m.items())}
+    if ctx.error is not None:
+        summary["error"] = ctx.error.render()
+    for name, r in ctx.results.items():
+        for key in ("partition", "validation", "benchmark"):
+            if key in r.files:
+                (tmp / f"{key}.json").write_bytes(Path(r.files[key]).read_bytes())
+    resolved = OmegaConf.to_yaml(cfg)
+    (tmp / "config.yaml").write_text(resolved)
+    summary["versions"] = versions(ctx)
+    write_json(tmp / "summary.json", summary)
+    replace_dir(tmp, final)
+    summary["out_dir"] = str(final)
+    run = track(experiment=cfg.experiment, summary={k: v for k, v in summary.items() if k != "out_dir"},
+                params=flat_params(cfg), resolved_yaml=resolved, out_dir=final,
+                engine_files=[final / e["file"] for e in summary["engines"]], versions=summary["versions"])
+    summary["mlflow"] = run
+    if cfg.summary_out:
+        write_json(cfg.summary_out, {k: v for k, v in summary.items() if k not in ("out_dir", "mlflow")} | {"mlflow": run})
+    return summary
+
+
+def versions(ctx: stages.BuildContext) -> dict[str, str]:
+    import onnx
+    import onnxruntime
+
+    from tasks.backend import host_gpus
+
+    v = {"trtforge": stages.TRTFORGE_VERSION, "backend": ctx.backend.version, "onnx": onnx.__version__,
+         "onnxruntime": onnxruntime.__version__, "python": sys.version.split()[0]}
+    gpus = host_gpus()
+    v["gpu"] = ", ".join(f"{g.name} (sm {g.compute_capability})" for g in gpus) or "none"
+    v["driver"] = gpus[0].driver if gpus else "none"
+    try:
+        import tensorrt_rtx_libs  # noqa: F401  (CUDA runtime bundled with the backend wheels)
+        v["cuda"] = "13 (TensorRT-RTX cu13 wheels)"
+    except ImportError:
+        v["cuda"] = "unknown"
+    return v
+
+
+# --- running builds ---------------------------------------------------------------------------------------------
+
+def run_build(cfg: DictConfig, config_dir: str | None = None, show_progress: bool = True,
+              on_stage=None) -> dict:
+    """Validate the whole config, then run the flow. Raises ConfigError on bad input (no run is created)."""
+    facts = preflight(cfg, config_dir)
+    ctx = stages.BuildContext(cfg=cfg, facts=facts, cache=StageCache(cfg.cache_dir), show_progress=show_progress,
+                              on_stage=on_stage)
+    name = f"{cfg.model.name}-{cfg.target.name}-{cfg.precision.name}"
+    return build_flow(ctx, run_name=name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from flows.cli import parse_args, print_stage, print_summary, sweep
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args is None:
+        return 0
+    code = 0
+    for overrides in sweep(args.overrides, args.multirun):
+        try:
+            cfg = compose_config(overrides, args.config_dir)
+            if args.cfg:
+                print(OmegaConf.to_yaml(cfg))
+                continue
+            t0 = time.perf_counter()
+            summary = run_build(cfg, args.config_dir, show_progress=sys.stderr.isatty(), on_stage=print_stage)
+            print_summary(summary, time.perf_counter() - t0)
+            code = max(code, 0 if summary["status"] == "ok" else 1)
+        except TrtforgeError as e:
+            if os.environ.get("TRTFORGE_TRACEBACK"):
+                raise
+            print(f"trtforge: error: {e.render()}", file=sys.stderr)
+            code = max(code, e.exit_code if isinstance(e, ConfigError) else 1)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""Command-line surface of `python -m flows.build`: Hydra overrides and sweeps, concise output."""
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+
+
+
+USAGE = """python -m flows.build [--config-dir DIR] [-m] [--cfg] key=value ...
+
+  model=NAME target=sm_XX precision=fp32|fp16|int8|fp8      choose the config group options
+  calibration.data=PATH validation.data=PATH               arrays (.npz/.npy or a folder), one per input
+  accuracy.min_cosine=0.99  cache_dir=PATH  summary_out=PATH  out_dir=PATH
+  -m target=sm_80,sm_86 precision=fp16,int8                sweep: one build per combination
+  --config-dir DIR                                         add DIR (model/NAME.yaml, ...) to the config search path
+  --cfg                                                    print the resolved config and exit
+Exit status: 0 all stages ok, 1 a stage failed, 2 bad input. TRTFORGE_TRACEBACK=1 shows tracebacks."""
+
+
+def parse_args(argv: list[str]):
+    p = argparse.ArgumentParser(prog="python -m flows.build", usage=USAGE, add_help=False)
+    p.add_argument("--config-dir", "-cd")
+    p.add_argument("-m", "--multirun", action="store_true")
+    p.add_argument("--cfg", "-c", nargs="?", const="job")
+    p.add_argument("-h", "--help", action="store_true")
+    p.add_argument("overrides", nargs="*")
+    args, unknown = p.parse_known_args(argv)
+    if args.help:
+        print(USAGE)
+        return None
+    if unknown:
+        print(f"trtforge: error: unknown option {unknown[0]!r}\n  fix: see python -m flows.build --help", file=sys.stderr)
+        sys.exit(2)
+    return args
+
+
+def sweep(overrides: list[str], multirun: bool) -> list[list[str]]:
+    """Hydra's override grammar; with -m, comma lists / range() / choice() expand into one build per combination."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception as e:
+        raise SystemExit(f"trtforge: error: cannot parse overrides: {str(e).splitlines()[0]}\n  fix: write key=value") from None
+    if not multirun:
+        if any(o.is_sweep_override() for o in parsed):
+            bad = next(o for o in parsed if o.is_sweep_override())
+            print(f"trtforge: error: {bad.input_line!r} is a sweep\n  fix: add -m to build every combination", file=sys.stderr)
+            sys.exit(2)
+        return [overrides]
+    axes = []
+    for o in parsed:
+        key = o.get_key_element()
+        if o.is_sweep_override():
+            axes.append([f"{key}={v}" for v in o.sweep_string_iterator()])
+        else:
+            axes.append([o.input_line])
+    return [list(c) for c in itertools.product(*axes)]
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=False, highlight=False, soft_wrap=True)
+
+
+def print_stage(name: str, entry: dict) -> None:
+    mark = {"ok": "[green]✓[/]", "cached": "[cyan]✓[/]", "skipped": "[yellow]-[/]", "failed": "[red]✗[/]"}.get(entry["status"], "?")
+    reason = f"  [dim]{entry['reason']}[/]" if entry.get("reason") and entry["status"] != "failed" else ""
+    _console().print(f" {mark} {name:<9} {entry['status']:<7} {entry.get('seconds', 0):7.2f}s{reason}")
+
+
+def print_summary(summary: dict, seconds: float) -> None:
+    c = _console()
+    ok = summary["status"] == "ok"
+    head = f"{summary['model']} → {summary['target']} {summary['precision']}"
+    c.print(f"[bold]{head}: {'[green]ok[/]' if ok else '[red]failed[/]'}[/] in {seconds:.1f}s")
+    if not ok and summary.get("error"):
+        c.print(f"  [red]{summary['error'].splitlines()[0][:300]}[/]", markup=False)
+        for line in summary["error"].splitlines()[1:]:
+            c.print(f"  {line.strip()}", markup=False)
+    for e in summary["engines"]:
+        c.print(f"  engine   {summary['out_dir']}/{e['file']}  ({e['bytes'] / 1e6:.1f} MB, sha256 {e['sha256'][:16]}…)")
+    m = summary["metrics"]
+    if "cosine_min" in m:
+        c.print(f"  accuracy cosine_min {m['cosine_min']:.6f} vs fp32 ({summary['stages']['validate'].get('status')})")
+    c.print(f"  summary  {summary['out_dir']}/summary.json")
+    run = summary.get("mlflow") or {}
+    if run:
+        c.print(f"  mlflow   run {run['run_id']} (experiment {run['experiment_id']}) in {run['tracking_uri']}  — browse: make ui")
+
+

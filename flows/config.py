@@ -1,0 +1,240 @@
+"""Hydra configuration: the typed schema in the ConfigStore, composition with friendly errors, and the
+whole-config check that runs before the first heavy step."""
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from tasks import schema
+from tasks.errors import ConfigError
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+GROUPS = ("model", "target", "precision")
+
+
+def register_schema() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="trtforge_schema", node=schema.Config)
+
+
+def options(group: str, config_dir: str | None = None) -> list[str]:
+    dirs = [CONF_DIR] + ([Path(config_dir)] if config_dir else [])
+    names = {p.stem for d in dirs for p in (d / group).glob("*.yaml")}
+    return sorted(names, key=lambda n: (len(n), n)) if group == "target" else sorted(names)
+
+
+def _schema_keys(full_key: str) -> list[str]:
+    """Valid keys at the level of full_key (e.g. 'model.profile' -> the fields of ModelConfig)."""
+    import typing
+
+    node: Any = schema.Config
+    for part in full_key.split(".")[:-1]:
+        tp = typing.get_type_hints(node).get(part)
+        args = typing.get_args(tp)
+        if args and type(None) in args:
+            tp = next(a for a in args if a is not type(None))
+        if not is_dataclass(tp):
+            return []
+        node = tp
+    return [f.name for f in fields(node)]
+
+
+def _suggest(word: str, candidates: list[str]) -> str:
+    m = difflib.get_close_matches(word, candidates, n=1, cutoff=0.5)
+    return f"did you mean {m[0]!r}?" if m else f"valid keys: {', '.join(candidates)}"
+
+
+def translate(e: Exception, config_dir: str | None) -> ConfigError:
+    """Hydra/OmegaConf composition errors -> one short message with the key, the value and the fix."""
+    text = str(e)
+    cause = e.__cause__ or e.__context__
+    full = text + ("\n" + str(cause) if cause else "")
+    m = re.search(r"Could not find '(\w+)/([^']+)'", full)
+    if m:
+        group, value = m.groups()
+        valid = options(group, config_dir)
+        near = difflib.get_close_matches(value, valid, n=1)
+        hint = f"did you mean {group}={near[0]}? " if near else ""
+        extra = f"; or add {group}/{value}.yaml to your --config-dir" if group == "model" else ""
+        return ConfigError(f"{group}={value} is not a known {group}", fix=f"{hint}valid {group}s: {', '.join(valid)}{extra}")
+    m = re.search(r"full_key: (\S+)", full)
+    key_m = re.search(r"Key '([^']+)' (?:is )?not in (?:struct|'(\w+)')", full)
+    if key_m:
+        bad = key_m.group(1)
+        full_key = m.group(1) if m else bad
+        if "." not in full_key and "Could not override" in full:
+            ov = re.search(r"Could not override '([^']+)'", full)
+            full_key = ov.group(1) if ov else full_key
+        valid = _schema_keys(full_key) or [f.name for f in fields(schema.Config)] + list(GROUPS)
+        where = f" in {full_key.rsplit('.', 1)[0]}" if "." in full_key else ""
+        src = ""
+        fm = re.search(r"In '([^']+)'", full)
+        if fm:
+            src = f" (from {fm.group(1)}.yaml)"
+        return ConfigError(f"unknown config key {full_key!r}{where}{src}", fix=_suggest(full_key.rsplit(".", 1)[-1], valid))
+    m2 = re.search(r"Value '([^']*)' (?:of type '\w+' )?could not be converted to (\w+)", full)
+    if m2 and m:
+        return ConfigError(f"{m.group(1)}={m2.group(1)!r} is not a valid {m2.group(2)}", fix=f"give {m.group(1)} a {m2.group(2)} value")
+    m3 = re.search(r"Missing mandatory value: (\S+)", full)
+    if m3:
+        return ConfigError(f"{m3.group(1)} is required but not set", fix=f"set {m3.group(1)}=... in the YAML or on the command line")
+    first = "; ".join(line.strip() for line in full.splitlines() if line.strip())[:400]
+    return ConfigError(f"invalid configuration: {first}", fix="check the override syntax: key=value, group=option")
+
+
+def compose_config(overrides: list[str], config_dir: str | None = None) -> DictConfig:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_schema()
+    ov = list(overrides)
+    if config_dir:
+        d = Path(config_dir).expanduser().resolve()
+        if not d.is_dir():
+            raise ConfigError(f"--config-dir {config_dir!r} is not a folder", fix="give a folder holding model/NAME.yaml etc.")
+        ov.append(f"hydra.searchpath=[file://{d}]")
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="trtforge"):
+            cfg = compose(config_name="config", overrides=ov)
+            OmegaConf.resolve(cfg)
+            cfg = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"]) if "hydra" in cfg else cfg
+            _ = OmegaConf.to_container(cfg, throw_on_missing=True)
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise translate(e, config_dir) from None
+    finally:
+        GlobalHydra.instance().clear()
+    return cfg
+
+
+def config_dir_search(config_dir: str | None) -> list[Path]:
+    """Relative model sources may be relative to the user's config dir."""
+    return [Path(config_dir).expanduser().resolve()] if config_dir else []
+
+
+def _cc(v: str) -> tuple[int, int]:
+    major, _, minor = str(v).partition(".")
+    return int(major), int(minor or 0)
+
+
+def preflight(cfg: DictConfig, config_dir: str | None = None) -> dict[str, Any]:
+    """Check the whole config before any heavy step. Returns facts the flow needs (model io, profiles, backend)."""
+    from tasks.backend import Backend
+    from tasks.models import check_safe_name, graph_io, load_onnx, resolve_source
+    from tasks.profiles import check_profiles
+
+    m, t, p = cfg.model, cfg.target, cfg.precision
+    check_safe_name("model.name", m.name)
+    check_safe_name("target.name", t.name)
+    check_safe_name("precision.name", p.name)
+    targets = [n for n in options("target", config_dir) if n]
+    if not t.supported:
+        ok = ", ".join(n for n in targets if n not in ("sm_20", "sm_30"))
+        raise ConfigError(f"target={t.name} is not supported: {t.note}", fix=f"pick a supported target: {ok}")
+    if p.name not in schema.PRECISIONS:
+        raise ConfigError(f"precision={p.name} is unknown", fix=f"use one of {', '.join(schema.PRECISIONS)}")
+    if p.name not in t.precisions:
+        raise ConfigError(f"precision={p.name} is not supported by target={t.name} ({t.architecture}; it supports "
+                          f"{', '.join(t.precisions)})",
+                          fix=f"pick one of {', '.join(t.precisions)}, or a newer target"
+                          + (" (fp8 needs sm_89 or newer)" if p.name == "fp8" else ""))
+    if _cc(t.compute_capability) < _cc(p.min_compute_capability):
+        raise ConfigError(f"precision={p.name} needs compute capability {p.min_compute_capability} or newer; target={t.name} is "
+                          f"{t.compute_capability}", fix="use target=sm_89 or newer, or precision=int8/fp16")
+    if m.format not in ("onnx", "torch"):
+        raise ConfigError(f"model.format={m.format!r} is not supported", fix="use onnx or torch")
+    cal = cfg.calibration
+    if cal.method not in ("entropy", "minmax", "percentile"):
+        raise ConfigError(f"calibration.method={cal.method!r} is unknown", fix="use entropy, minmax or percentile")
+    if cal.samples < 1:
+        raise ConfigError(f"calibration.samples={cal.samples} must be at least 1", fix="e.g. calibration.samples=32")
+    if p.quantized and not cal.data and m.images is None:
+        raise ConfigError(f"precision={p.name} needs calibration data: calibration.data is not set and model {m.name} has no images recipe",
+                          fix="set calibration.data=path/to/samples.npz (or a folder of .npz/.npy, one array per input name)")
+    if not -1.0 <= cfg.accuracy.min_cosine <= 1.0:
+        raise ConfigError(f"accuracy.min_cosine={cfg.accuracy.min_cosine} is outside [-1, 1]", fix="e.g. accuracy.min_cosine=0.99")
+    if cfg.partition.min_subgraph_size < 1:
+        raise ConfigError(f"partition.min_subgraph_size={cfg.partition.min_subgraph_size} must be >= 1", fix="e.g. 3")
+    for key in ("validation.samples", "benchmark.iterations", "benchmark.repeats"):
+        if OmegaConf.select(cfg, key) < (0 if key == "validation.samples" else 1):
+            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} is too small", fix=f"give {key} a positive number")
+    if m.images is not None:
+        src = m.images.source
+        if not src.startswith("synthetic:"):
+            from tasks.samples import list_images
+            list_images(src, "model.images.source")
+        elif src != "synthetic:text":
+            raise ConfigError(f"model.images.source={src!r} is unknown", fix="use synthetic:text or a folder of images")
+    search = config_dir_search(config_dir)
+    facts: dict[str, Any] = {}
+    backend = Backend(t.backend)
+    backend.check_can_build(t.compute_capability)
+    facts["backend"] = backend
+    if m.format == "onnx":
+        src = resolve_source(m.source, search=search)
+        model = load_onnx(src)
+        inputs, outputs = graph_io(model)
+        del model
+    else:
+        if not m.factory:
+            raise ConfigError("model.factory is not set for format=torch", fix="set model.factory=module.path:callable")
+        if not m.inputs:
+            raise ConfigError("model.inputs is empty for format=torch", fix="map each forward() argument to {shape: [...], dtype: float32}")
+        from tasks.models import TensorInfo
+        inputs = [TensorInfo(n, s.dtype, list(s.shape)) for n, s in m.inputs.items()]
+        for prof in m.profiles:
+            for n, r in prof.items():
+                if n in m.inputs:
+                    inputs = [TensorInfo(i.name, i.dtype, [("d" if lo != hi else d) for d, lo, hi in zip(i.shape, r.min, r.max)])
+                              if i.name == n else i for i in inputs]
+        outputs = []
+    if m.images is not None and m.images.input not in [i.name for i in inputs]:
+        raise ConfigError(f"model.images.input={m.images.input!r} is not an input of the model",
+                          fix=f"use one of {[i.name for i in inputs]}")
+    profiles = check_profiles(OmegaConf.to_container(m.profiles), inputs)
+    facts.update(inputs=inputs, outputs=outputs, profiles=profiles, search=search)
+    from tasks.inputs import data_hash, load_feeds
+    for key in ("calibration.data", "validation.data"):
+        path = OmegaConf.select(cfg, key)
+        if path:
+            limit = cal.samples if key == "calibration.data" else None
+            facts[key] = load_feeds(path, inputs, profiles, key, limit=limit)
+            facts[key + ".sha256"] = data_hash(path, key)
+    return facts
+
+
+def flat_params(cfg: DictConfig) -> dict[str, str]:
+    out: dict[str, str] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        else:
+            out[prefix] = str(node)[:6000]
+
+    walk("", OmegaConf.to_container(cfg, resolve=True))
+    return out
+
+
+def env_defaults() -> None:
+    """Quiet, offline-safe defaults for the embedded Prefect server and MLflow (the user's env wins)."""
+    for k, v in {
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+        "PREFECT_LOGGING_TO_API_ENABLED": "false",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "DO_NOT_TRACK": "true",
+        "TQDM_DISABLE": "1",
+    }.items():
+        os.environ.setdefault(k, v)

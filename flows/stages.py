@@ -1,0 +1,254 @@
+"""The glue between the flow and the pure stages in tasks/: cache keys, inputs, skip rules, status."""
+from __future__ import annotations
+
+import shutil
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from omegaconf import DictConfig, OmegaConf
+
+from tasks import backend as trt_backend
+from tasks.errors import TrtforgeError
+from tasks.util import StageResult, sha256_file
+
+TRTFORGE_VERSION = "0.1.0"
+
+
+class Skip(Exception):
+    """A stage that does not apply, or cannot run on this host; the message is the reason."""
+
+
+@dataclass
+class BuildContext:
+    cfg: DictConfig
+    facts: dict[str, Any]
+    cache: Any
+    results: dict[str, StageResult] = field(default_factory=dict)
+    stages: dict[str, dict] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    failed: str | None = None
+    error: TrtforgeError | None = None
+    show_progress: bool = True
+    on_stage: Callable[[str, dict], None] | None = None
+
+    @property
+    def backend(self):
+        return self.facts["backend"]
+
+    def c(self, key: str) -> Any:
+        return OmegaConf.to_container(OmegaConf.select(self.cfg, key), resolve=True) \
+            if OmegaConf.is_config(OmegaConf.select(self.cfg, key)) else OmegaConf.select(self.cfg, key)
+
+    def cached(self, stage: str, parts: dict, fn: Callable[[Path], StageResult]) -> StageResult:
+        key = self.cache.key(stage, {"trtforge": TRTFORGE_VERSION, **parts})
+        hit = self.cache.get(stage, key)
+        if hit is not None:
+            self.stages.setdefault(stage, {})["status"] = "cached"
+            return hit
+        return self.cache.run(stage, key, fn)
+
+    def run(self, name: str, fn: Callable[["BuildContext"], StageResult | None]) -> StageResult | None:
+        """Run one stage: ok / cached / skipped (with reason) / failed; after a failure the rest are skipped."""
+        entry = self.stages.setdefault(name, {})
+        t0 = time.perf_counter()
+        if self.failed:
+            entry.update(status="skipped", seconds=0.0, reason=f"the {self.failed} stage failed")
+        else:
+            try:
+                result = fn(self)
+                entry.setdefault("status", "ok")
+                if result is not None:
+                    self.results[name] = result
+                    self.metrics.update({k: v for k, v in result.metrics.items()})
+            except Skip as s:
+                entry.update(status="skipped", reason=str(s))
+            except TrtforgeError as e:
+                entry.update(status="failed", reason=e.render())
+                res = getattr(e, "result", None)
+                if res is not None:
+                    self.results[name] = res
+                    self.metrics.update(res.metrics)
+                self.failed, self.error = name, e
+            except Exception as e:  # a bug or an unwrapped library error: report it, keep the traceback
+                entry.update(status="failed", reason=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:])
+                self.failed, self.error = name, TrtforgeError(f"{type(e).__name__}: {e}", stage=name)
+            entry["seconds"] = round(time.perf_counter() - t0, 3)
+        if self.on_stage:
+            self.on_stage(name, entry)
+        return self.results.get(name)
+
+
+def file_hash(result: StageResult, name: str) -> str:
+    return result.details.get(f"{name}_sha256") or sha256_file(result.files[name])
+
+
+# --- the six stages ------------------------------------------------------------------------------------------
+
+def export(ctx: BuildContext) -> StageResult:
+    from tasks.export import onnx_from_model, source_fingerprint
+
+    m = ctx.c("model")
+    parts = {"source": source_fingerprint(m, ctx.facts["search"]), "format": m["format"], "factory": m["factory"],
+             "inputs": m["inputs"], "opset": m["opset"], "profiles": ctx.facts["profiles"] if m["format"] == "torch" else None}
+
+    def work(d: Path) -> StageResult:
+        r = onnx_from_model(m, ctx.facts["profiles"], d / "model.onnx", ctx.facts["search"])
+        r.details["onnx_sha256"] = sha256_file(r.files["onnx"])
+        return r
+
+    return ctx.cached("export", parts, work)
+
+
+def partition(ctx: BuildContext) -> StageResult:
+    from tasks.partition import plan_from_onnx
+
+    onnx_r = ctx.results["export"]
+    parts = {"onnx": file_hash(onnx_r, "onnx"), "partition": ctx.c("partition"), "backend": ctx.backend.version}
+    return ctx.cached("partition", parts, lambda d: plan_from_onnx(onnx_r.files["onnx"], ctx.c("partition"), ctx.backend,
+                                                                   d / "partition.json"))
+
+
+def build(ctx: BuildContext) -> StageResult:
+    """The baseline engine: fp32 or fp16 graph (int8/fp8 get their quantized engine in calibrate)."""
+    from tasks.build import engine_from_onnx, onnx_at_precision
+
+    onnx_r = ctx.results["export"]
+    precision = ctx.cfg.precision.baseline
+    t = ctx.cfg.target
+    parts = {"onnx": file_hash(onnx_r, "onnx"), "precision": precision, "profiles": ctx.facts["profiles"],
+             "build": ctx.c("build"), "backend": ctx.backend.version, "compute_capability": t.compute_capability}
+
+    def work(d: Path) -> StageResult:
+        conv = onnx_at_precision(onnx_r.files["onnx"], precision, d / f"model.{precision}.onnx")
+        eng = engine_from_onnx(conv.files["onnx"], d / f"{ctx.cfg.model.name}.{t.name}.{precision}.engine",
+                               ctx.facts["profiles"], t.compute_capability, ctx.c("build"), ctx.backend,
+                               show_progress=ctx.show_progress)
+        return StageResult(files={"onnx": conv.files["onnx"], "engine": eng.files["engine"]},
+                           metrics={**conv.metrics, **eng.metrics},
+                           details={**eng.details, "conversion": conv.details, "precision": precision})
+
+    r = ctx.cached("build", parts, work)
+    ctx.metrics["engine_bytes"] = r.metrics["engine_bytes"]
+    return r
+
+
+def calibrate(ctx: BuildContext) -> StageResult | None:
+    p = ctx.cfg.precision
+    if not p.quantized:
+        raise Skip(f"precision {p.name} needs no calibration")
+    from tasks.errors import StageError
+    raise StageError(f"{p.name} calibration (explicit Q/DQ) is not implemented yet",
+                     stage="calibrate", fix="build at fp16 or fp32 for now")
+
+
+def _feeds(ctx: BuildContext, purpose: str) -> tuple[list, str, dict]:
+    """Inputs for validation: validation.data, else the model's images recipe, else random inside the profiles."""
+    from tasks.inputs import generated_feeds
+
+    v = ctx.cfg.validation
+    if ctx.facts.get("validation.data"):
+        return ctx.facts["validation.data"], f"validation.data ({v.data})", {"data": ctx.facts["validation.data.sha256"]}
+    recipe = ctx.c("model.images")
+    feeds = generated_feeds(ctx.facts["inputs"], ctx.facts["profiles"], v.samples, v.seed, recipe=recipe,
+                            multiples=ctx.c("model.shape_multiple"))
+    src = f"images ({recipe['source']})" if recipe else "random"
+    return feeds, src, {"recipe": recipe, "samples": v.samples, "seed": v.seed, "multiple": ctx.c("model.shape_multiple")}
+
+
+def _engine_for(ctx: BuildContext) -> tuple[StageResult, str]:
+    """The deliverable engine: the quantized one when calibrate made it, else the baseline."""
+    cal = ctx.results.get("calibrate")
+    if cal is not None and "engine" in cal.files:
+        return cal, "calibrate"
+    return ctx.results["build"], "build"
+
+
+def validate(ctx: BuildContext) -> StageResult:
+    from tasks.validate import validate_onnx
+
+    if not ctx.cfg.stages.validate:
+        raise Skip("disabled (stages.validate=false)")
+    ref = ctx.results["export"]
+    cand, _ = _engine_for(ctx)
+    cc = ctx.cfg.target.compute_capability
+    gpu = trt_backend.gpu_for(cc)
+    engine_reason = None if (gpu and ctx.cfg.validation.engine) else (
+        "disabled (validation.engine=false)" if not ctx.cfg.validation.engine else trt_backend.no_gpu_reason(cc))
+    feeds, source, feed_key = _feeds(ctx, "validate")
+    parts = {"reference": file_hash(ref, "onnx"), "candidate": sha256_file(cand.files["onnx"]), "feeds": feed_key,
+             "min_cosine": ctx.cfg.accuracy.min_cosine, "engine": sha256_file(cand.files["engine"]) if gpu else None}
+
+    def work(d: Path) -> StageResult:
+        engine_outputs = None
+        if engine_reason is None:
+            from tasks.runtime import EngineRunner
+            runner = EngineRunner(Path(cand.files["engine"]).read_bytes(), ctx.backend)
+            engine_outputs = [runner.infer(f) for f in feeds]
+        return validate_onnx(ref.files["onnx"], cand.files["onnx"], feeds, ctx.cfg.accuracy.min_cosine, source,
+                             d / "validation.json", engine_outputs=engine_outputs, engine_skip_reason=engine_reason)
+
+    try:
+        r = ctx.cached("validate", parts, work)
+    except TrtforgeError:
+        raise
+    if not r.details.get("passed", True):  # a cached failing verdict fails again
+        from tasks.errors import AccuracyError
+        e = AccuracyError(f"cosine {r.metrics['cosine_min']:.6f} is below accuracy.min_cosine={ctx.cfg.accuracy.min_cosine}",
+                          stage="validate", fix="use a higher precision, or lower accuracy.min_cosine if that loss is acceptable")
+        e.result = r
+        raise e
+    return r
+
+
+def benchmark(ctx: BuildContext) -> StageResult:
+    from tasks.benchmark import benchmark_model, host_info
+    from tasks.inputs import generated_feeds
+
+    if not ctx.cfg.stages.benchmark:
+        raise Skip("disabled (stages.benchmark=false)")
+    ref = ctx.results["export"]
+    eng_r, _ = _engine_for(ctx)
+    cc = ctx.cfg.target.compute_capability
+    opt = {n: {"min": r["opt"], "opt": r["opt"], "max": r["opt"]} for n, r in ctx.facts["profiles"][0].items()}
+    feed = generated_feeds(ctx.facts["inputs"], [opt], 0, ctx.cfg.seed, recipe=ctx.c("model.images"))[0]
+    gpu = trt_backend.gpu_for(cc)
+    build_metrics = {"build_seconds": ctx.results["build"].metrics.get("build_seconds"),
+                     "engine_bytes": eng_r.metrics.get("engine_bytes")}
+    parts = {"onnx": file_hash(ref, "onnx"), "bench": ctx.c("benchmark"), "host": host_info(),
+             "shape": {n: list(a.shape) for n, a in feed.items()}, "engine": sha256_file(eng_r.files["engine"]) if gpu else None}
+
+    def work(d: Path) -> StageResult:
+        timing = None
+        if gpu:
+            import numpy as np
+
+            from tasks.benchmark import latency_stats
+            from tasks.runtime import EngineRunner
+            b = ctx.cfg.benchmark
+            runner = EngineRunner(Path(eng_r.files["engine"]).read_bytes(), ctx.backend)
+            times, med = [], []
+            for _ in range(b.repeats):
+                rep = runner.time(feed, b.warmup, b.iterations)
+                times += rep
+                med.append(float(np.median(rep)))
+            timing = {"runtime": f"{ctx.backend.version} on {gpu.name}",
+                      **latency_stats(times, med, int(next(iter(feed.values())).shape[0]))}
+        return benchmark_model(ref.files["onnx"], feed, ctx.c("benchmark"), d / "benchmark.json", build_metrics, timing,
+                               None if gpu else trt_backend.no_gpu_reason(cc) + "; engine timing needs that GPU")
+
+    return ctx.cached("benchmark", parts, work)
+
+
+def publish_engines(ctx: BuildContext, out: Path) -> list[dict]:
+    """Copy (hard-link when possible) the deliverable engine(s) into the output folder."""
+    eng_r, _ = _engine_for(ctx)
+    src = Path(eng_r.files["engine"])
+    dst = out / src.name
+    try:
+        dst.hardlink_to(src)
+    except OSError:
+        shutil.copy2(src, dst)
+    return [{"file": dst.name, "sha256": sha256_file(dst), "bytes": dst.stat().st_size}]

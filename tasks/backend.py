@@ -1,0 +1,224 @@
+"""The one adapter between trtforge and a TensorRT implementation.
+
+TensorRT-RTX (`tensorrt_rtx_bindings`) is the embedded default: it builds engines for sm_75/80/86/89/120/121
+on any machine, GPU or not (CPU-only AOT via `set_compute_capability`). Enterprise TensorRT (`tensorrt`)
+has the same API but builds for the GPU it runs on; targets such as sm_90 select it in `conf/target/`.
+TensorRT is imported lazily, only by the stages that need it.
+"""
+from __future__ import annotations
+
+import importlib
+import subprocess
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from .errors import StageError, UnavailableError
+
+MODULES = {"tensorrt_rtx": "tensorrt_rtx_bindings", "tensorrt": "tensorrt"}
+INSTALL = {
+    "tensorrt_rtx": "pip install tensorrt-rtx-cu13-bindings==1.7.1.116 tensorrt-rtx-cu13-libs==1.7.1.116",
+    "tensorrt": "install Enterprise TensorRT (pip install tensorrt from NVIDIA's index) on a GPU host of this architecture",
+}
+
+
+@dataclass
+class GpuInfo:
+    name: str
+    compute_capability: str
+    driver: str
+
+
+@lru_cache(maxsize=1)
+def host_gpus() -> tuple[GpuInfo, ...]:
+    """NVIDIA GPUs on this host, from nvidia-smi (empty when there is no driver or GPU)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,compute_cap,driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    gpus = []
+    for line in out.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) >= 3:
+            gpus.append(GpuInfo(parts[0], parts[1], parts[2]))
+    return tuple(gpus)
+
+
+def gpu_for(compute_capability: str) -> GpuInfo | None:
+    return next((g for g in host_gpus() if g.compute_capability == compute_capability), None)
+
+
+def no_gpu_reason(compute_capability: str) -> str:
+    gpus = host_gpus()
+    if not gpus:
+        return f"no NVIDIA GPU on this host; running the engine needs a GPU of compute capability {compute_capability}"
+    have = ", ".join(f"{g.name} ({g.compute_capability})" for g in gpus)
+    return f"this host's GPUs ({have}) cannot run an engine built for compute capability {compute_capability}"
+
+
+class _Logger:
+    """Collects TensorRT log messages (warnings and errors) for error reports."""
+
+    def __new__(cls, trt):
+        class Logger(trt.ILogger):
+            def __init__(self):
+                trt.ILogger.__init__(self)
+                self.messages: list[tuple[str, str]] = []
+
+            def log(self, severity, msg):
+                if severity <= trt.ILogger.Severity.WARNING:
+                    self.messages.append((str(severity).rsplit(".", 1)[-1], msg))
+
+            def errors(self) -> list[str]:
+                return [m for s, m in self.messages if s in ("ERROR", "INTERNAL_ERROR")]
+
+        return Logger()
+
+
+@dataclass
+class SupportReport:
+    subgraphs: list[dict] = field(default_factory=list)  # {"nodes": [int], "supported": bool}
+    errors: list[dict] = field(default_factory=list)  # {"node": int, "name": str, "op": str, "reason": str}
+    fully_supported: bool = False
+
+
+class Backend:
+    """TensorRT behind a small surface: version, support check, engine build, engine validity."""
+
+    def __init__(self, name: str):
+        if name not in MODULES:
+            raise UnavailableError(f"unknown backend {name!r}", fix=f"use one of {sorted(MODULES)}")
+        self.name = name
+        try:
+            self.trt = importlib.import_module(MODULES[name])
+        except ImportError as e:
+            raise UnavailableError(f"backend {name!r} is not installed here ({e})", fix=INSTALL[name]) from None
+
+    @property
+    def version(self) -> str:
+        return f"{self.name}-{self.trt.__version__}"
+
+    def _cc_enum(self, compute_capability: str):
+        if self.name != "tensorrt_rtx":
+            return None
+        member = "SM" + compute_capability.replace(".", "")
+        cc = getattr(self.trt.ComputeCapability, member, None)
+        if cc is None:
+            valid = [m for m in self.trt.ComputeCapability.__members__ if m.startswith("SM")]
+            raise UnavailableError(f"TensorRT-RTX {self.trt.__version__} cannot target compute capability {compute_capability}",
+                                   fix=f"it targets {', '.join(valid)}; use Enterprise TensorRT for others")
+        return cc
+
+    def check_can_build(self, compute_capability: str) -> None:
+        """Enterprise TensorRT builds for the GPU it runs on: refuse early and plainly elsewhere."""
+        self._cc_enum(compute_capability)
+        if self.name == "tensorrt" and gpu_for(compute_capability) is None:
+            raise UnavailableError(
+                f"building for compute capability {compute_capability} needs Enterprise TensorRT on a GPU of that "
+                f"architecture: {no_gpu_reason(compute_capability)}",
+                fix="run this build on a GPU host of that architecture (a build-farm worker), or pick a TensorRT-RTX target "
+                    "(sm_75, sm_80, sm_86, sm_89, sm_120, sm_121)")
+
+    def support_report(self, model_bytes: bytes, model_path: str) -> SupportReport:
+        trt = self.trt
+        logger = _Logger(trt)
+        builder = trt.Builder(logger)
+        network = builder.create_network(0)
+        parser = trt.OnnxParser(network, logger)
+        report = SupportReport()
+        report.fully_supported = bool(parser.supports_model_v2(model_bytes, model_path))
+        for i in range(parser.num_subgraphs):
+            report.subgraphs.append({"nodes": [int(n) for n in parser.get_subgraph_nodes(i)],
+                                     "supported": bool(parser.is_subgraph_supported(i))})
+        for i in range(parser.num_errors):
+            err = parser.get_error(i)
+            report.errors.append({"node": int(err.node()), "name": err.node_name(), "op": err.node_operator(),
+                                  "reason": err.desc()})
+        return report
+
+    def build_engine(self, model_path: str, profiles: list[dict], compute_capability: str, *,
+                     optimization_level: int = 3, workspace_mib: int | None = None,
+                     progress: Any = None, stage: str = "build") -> bytes:
+        """Parse an ONNX file (strongly typed) and build a serialized engine with all profiles."""
+        trt = self.trt
+        logger = _Logger(trt)
+        builder = trt.Builder(logger)
+        flags = 0
+        if self.name == "tensorrt" and hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED"):
+            flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+        network = builder.create_network(flags)
+        parser = trt.OnnxParser(network, logger)
+        if not parser.parse_from_file(model_path):
+            errs = [parser.get_error(i) for i in range(parser.num_errors)]
+            detail = "; ".join(f"node {e.node_name() or e.node()} ({e.node_operator()}): {e.desc()}" for e in errs[:5])
+            raise StageError(f"the TensorRT ONNX parser rejected the model: {detail or logger.errors()}", stage=stage,
+                             file=model_path, fix="see the partition report for unsupported nodes")
+        config = builder.create_builder_config()
+        cc = self._cc_enum(compute_capability)
+        if cc is not None:
+            config.num_compute_capabilities = 1
+            config.set_compute_capability(cc, 0)
+        config.builder_optimization_level = int(optimization_level)
+        if workspace_mib:
+            config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_mib) << 20)
+        for prof in profiles:
+            p = builder.create_optimization_profile()
+            for name, r in prof.items():
+                p.set_shape(name, tuple(r["min"]), tuple(r["opt"]), tuple(r["max"]))
+            config.add_optimization_profile(p)
+        if progress is not None:
+            config.progress_monitor = progress
+        serialized = builder.build_serialized_network(network, config)
+        if serialized is None or serialized.nbytes == 0:
+            errs = logger.errors()
+            raise StageError(f"TensorRT could not build the engine: {' | '.join(errs[-3:]) or 'no error message'}",
+                             stage=stage, file=model_path,
+                             fix="check the profiles and the partition report; a parsed model can still fail in the builder")
+        return bytes(serialized)
+
+    def engine_validity(self, engine: bytes) -> str:
+        trt = self.trt
+        runtime = trt.Runtime(_Logger(trt))
+        if not hasattr(runtime, "get_engine_validity"):
+            return "unknown"
+        validity, _ = runtime.get_engine_validity(engine)
+        return str(validity).rsplit(".", 1)[-1]
+
+
+def progress_monitor(trt, console_file) -> Any:
+    """A trt.IProgressMonitor that draws the builder's phases as Rich progress bars on console_file."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(file=console_file, stderr=True)
+    progress = Progress(TextColumn("  {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=console, transient=True)
+
+    class Monitor(trt.IProgressMonitor):
+        def __init__(self):
+            trt.IProgressMonitor.__init__(self)
+            self.tasks: dict[str, Any] = {}
+            self.progress = progress
+
+        def phase_start(self, phase_name, parent_phase, num_steps):
+            if not self.tasks:
+                progress.start()
+            depth = 0 if parent_phase is None else 1
+            self.tasks[phase_name] = progress.add_task(("  " * depth) + phase_name, total=max(int(num_steps), 1))
+
+        def step_complete(self, phase_name, step):
+            t = self.tasks.get(phase_name)
+            if t is not None:
+                progress.update(t, completed=int(step) + 1)
+            return True  # False would cancel the build
+
+        def phase_finish(self, phase_name):
+            t = self.tasks.pop(phase_name, None)
+            if t is not None:
+                progress.remove_task(t)
+            if not self.tasks:
+                progress.stop()
+
+    return Monitor()

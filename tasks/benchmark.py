@@ -1,0 +1,75 @@
+"""Stage 6, benchmark: latency percentiles, throughput, warm-up and run-to-run spread on this host."""
+from __future__ import annotations
+
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .runtime import ort_run, ort_session
+from .util import StageResult, write_json
+
+
+def latency_stats(times_ms: list[float], repeat_medians: list[float], batch: int) -> dict[str, float]:
+    t = np.asarray(times_ms)
+    p50 = float(np.percentile(t, 50))
+    return {"p50_ms": p50, "p90_ms": float(np.percentile(t, 90)), "p99_ms": float(np.percentile(t, 99)),
+            "mean_ms": float(t.mean()), "throughput_per_s": batch * 1e3 / float(t.mean()),
+            "spread_pct": 100.0 * (max(repeat_medians) - min(repeat_medians)) / p50 if p50 else 0.0}
+
+
+def host_info() -> dict[str, Any]:
+    import onnxruntime as ort
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import os
+
+    return {"cpu": cpu, "cores": os.cpu_count(), "onnxruntime": ort.__version__, "python": platform.python_version()}
+
+
+def benchmark_onnx(onnx_path: Path, feed: dict[str, np.ndarray], bench_cfg: Any, label: str) -> dict[str, Any]:
+    """ONNX Runtime on this host: session creation, first run (warm-up), then repeats x iterations."""
+    t0 = time.perf_counter()
+    sess = ort_session(onnx_path, threads=bench_cfg["threads"], stage="benchmark")
+    load_ms = (time.perf_counter() - t0) * 1e3
+    warm = []
+    for _ in range(max(1, int(bench_cfg["warmup"]))):
+        t = time.perf_counter()
+        ort_run(sess, feed, stage="benchmark")
+        warm.append((time.perf_counter() - t) * 1e3)
+    times, medians = [], []
+    for _ in range(max(1, int(bench_cfg["repeats"]))):
+        rep = []
+        for _ in range(max(1, int(bench_cfg["iterations"]))):
+            t = time.perf_counter()
+            ort_run(sess, feed, stage="benchmark")
+            rep.append((time.perf_counter() - t) * 1e3)
+        times += rep
+        medians.append(float(np.median(rep)))
+    batch = int(next(iter(feed.values())).shape[0]) if feed else 1
+    stats = latency_stats(times, medians, batch)
+    return {"runtime": label, "session_create_ms": load_ms, "first_run_ms": warm[0], "warmup_ms": warm, **stats,
+            "runs": len(times), "shape": {n: list(a.shape) for n, a in feed.items()}}
+
+
+def benchmark_model(onnx_path: Path, feed: dict[str, np.ndarray], bench_cfg: Any, out_path: Path,
+                    build_metrics: dict[str, float], engine_timing: dict | None, engine_skip_reason: str | None) -> StageResult:
+    t0 = time.perf_counter()
+    native = benchmark_onnx(onnx_path, feed, bench_cfg, "onnxruntime-cpu fp32")
+    report = {"host": host_info(), "native": native, "build": build_metrics,
+              "engine": engine_timing or {"status": "skipped", "reason": engine_skip_reason}}
+    write_json(out_path, report)
+    metrics = {f"ort_{k}": v for k, v in native.items() if isinstance(v, float)}
+    if engine_timing:
+        metrics.update({f"trt_{k}": v for k, v in engine_timing.items() if isinstance(v, float)})
+    metrics["benchmark_seconds"] = time.perf_counter() - t0
+    return StageResult(files={"benchmark": out_path}, metrics=metrics, details=report)

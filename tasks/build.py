@@ -1,0 +1,61 @@
+"""Stage 3, build: the graph at the build precision, compiled to a strongly typed TensorRT engine."""
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from .backend import Backend, progress_monitor
+from .errors import StageError
+from .native import quiet_native
+from .util import StageResult, sha256_file
+
+
+def onnx_at_precision(fp32_path: Path, precision: str, out_path: Path) -> StageResult:
+    """Precision is a property of the graph (strongly typed networks): fp32 as is, fp16 converted."""
+    t0 = time.perf_counter()
+    if precision == "fp32":
+        shutil.copyfile(fp32_path, out_path)
+        return StageResult(files={"onnx": out_path}, metrics={})
+    if precision != "fp16":
+        raise StageError(f"no graph conversion for precision {precision!r} in build (int8/fp8 come from calibrate)",
+                         stage="build")
+    import onnx
+
+    from .export import save_onnx
+    from .precision import fp16_from_onnx
+
+    try:
+        model, stats = fp16_from_onnx(onnx.load(str(fp32_path)))
+    except Exception as e:
+        raise StageError(f"fp16 conversion failed: {type(e).__name__}: {e}", stage="build", file=str(fp32_path)) from e
+    save_onnx(model, out_path)
+    return StageResult(files={"onnx": out_path}, metrics={"convert_seconds": time.perf_counter() - t0}, details=stats)
+
+
+def engine_from_onnx(onnx_path: Path, engine_path: Path, profiles: list[dict], compute_capability: str,
+                     build_cfg: Any, backend: Backend, show_progress: bool = True, stage: str = "build") -> StageResult:
+    """Build one engine from one ONNX file; GPU-less noise is captured, a Rich progress bar is drawn."""
+    t0 = time.perf_counter()
+    term: list = []
+    with quiet_native(term if show_progress else None) as captured:
+        monitor = progress_monitor(backend.trt, term[0]) if show_progress else None
+        try:
+            engine = backend.build_engine(str(onnx_path), profiles, compute_capability,
+                                          optimization_level=build_cfg["optimization_level"],
+                                          workspace_mib=build_cfg["workspace_mib"], progress=monitor, stage=stage)
+        finally:
+            if monitor is not None:
+                monitor.progress.stop()
+    seconds = time.perf_counter() - t0
+    engine_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = engine_path.with_suffix(".partial")
+    tmp.write_bytes(engine)
+    tmp.replace(engine_path)
+    return StageResult(
+        files={"engine": engine_path},
+        metrics={"build_seconds": seconds, "engine_bytes": len(engine)},
+        details={"sha256": sha256_file(engine_path), "backend": backend.version, "compute_capability": compute_capability,
+                 "native_log": captured.meaningful[-50:]},
+    )

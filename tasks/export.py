@@ -1,0 +1,167 @@
+"""Stage 1, export: a model source (ONNX file, pkg://, or a torch factory) to one sanitized fp32 ONNX file."""
+from __future__ import annotations
+
+import importlib
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError, StageError
+from .models import graph_io, load_onnx, resolve_source
+from .util import StageResult, sha256_file
+
+MAX_PROTO = 1_800_000_000  # above this, weights go to a side file (protobuf's 2 GB limit)
+
+
+def source_fingerprint(model_cfg: Any, search: list[Path] | None = None) -> dict:
+    """What the export depends on (for the content-addressed cache) without doing the export."""
+    if model_cfg["format"] == "onnx":
+        path = resolve_source(model_cfg["source"], search=search)
+        return {"source_sha256": sha256_file(path)}
+    module_name = str(model_cfg["factory"]).partition(":")[0]
+    spec = importlib.util.find_spec(module_name)
+    origin = spec.origin if spec else None
+    return {"factory": model_cfg["factory"], "module_sha256": sha256_file(origin) if origin and Path(origin).is_file() else None}
+
+
+def onnx_from_model(model_cfg: Any, profiles: list[dict], out_path: Path, search: list[Path] | None = None) -> StageResult:
+    """Export or pass through, then sanitize; writes out_path (fp32 ONNX)."""
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    if model_cfg["format"] == "onnx":
+        src = resolve_source(model_cfg["source"], search=search)
+        model = load_onnx(src)
+        how = "onnx passthrough"
+    elif model_cfg["format"] == "torch":
+        raw = out_path.with_name("torch_export.onnx")
+        how = onnx_from_torch(model_cfg, profiles, raw)
+        model = load_onnx(raw, key="model.factory")
+    else:
+        raise ConfigError(f"model.format={model_cfg['format']!r} is not supported", fix="use onnx or torch")
+    model, notes = sanitize(model)
+    save_onnx(model, out_path)
+    ins, outs = graph_io(model)
+    return StageResult(
+        files={"onnx": out_path},
+        metrics={"export_nodes": len(model.graph.node), "opset": _opset(model), "export_seconds": time.perf_counter() - t0},
+        details={"how": how, "sanitize": notes, "inputs": [vars(t) for t in ins], "outputs": [vars(t) for t in outs]},
+    )
+
+
+def _opset(model) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+
+def save_onnx(model, path: Path) -> None:
+    import onnx
+
+    if model.ByteSize() > MAX_PROTO:
+        onnx.save(model, str(path), save_as_external_data=True, location=path.name + ".data")
+    else:
+        onnx.save(model, str(path))
+
+
+def sanitize(model) -> tuple[Any, list[str]]:
+    """Make a graph TensorRT and the later stages can rely on.
+
+    - Constant nodes become initializers (constant folding of what is stored as nodes);
+    - symbolic dims that repeat inside one input (PP-OCR cls names H and W both '?') get distinct names,
+      because TensorRT reads a shared name as one dimension and refuses non-square profiles;
+    - shape inference fills in value_info for the later precision passes.
+    """
+    import onnx
+    from onnx import numpy_helper
+
+    notes: list[str] = []
+    g = model.graph
+    keep, folded = [], 0
+    for node in g.node:
+        if node.op_type == "Constant" and len(node.output) == 1 and node.attribute and node.attribute[0].name == "value":
+            t = numpy_helper.to_array(node.attribute[0].t)
+            g.initializer.append(numpy_helper.from_array(t, node.output[0]))
+            folded += 1
+        else:
+            keep.append(node)
+    if folded:
+        del g.node[:]
+        g.node.extend(keep)
+        notes.append(f"{folded} Constant nodes folded into initializers")
+    inits = {i.name for i in g.initializer}
+    for inp in g.input:
+        if inp.name in inits:
+            continue
+        dims = inp.type.tensor_type.shape.dim
+        names = [d.dim_param for d in dims if d.HasField("dim_param")]
+        for i, d in enumerate(dims):
+            unknown = (d.HasField("dim_value") and d.dim_value <= 0) or (not d.HasField("dim_value") and not d.dim_param)
+            repeated = d.HasField("dim_param") and (d.dim_param in ("?", "") or names.count(d.dim_param) > 1)
+            if unknown or repeated:
+                old = d.dim_param if d.dim_param else (str(d.dim_value) if d.HasField("dim_value") else "unnamed")
+                d.dim_param = f"{inp.name}_dim{i}"
+                notes.append(f"input {inp.name!r} dim {i}: {old!r} renamed {d.dim_param!r} (distinct name)")
+    try:
+        model = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    except Exception as e:  # shape inference is a help, not a requirement
+        notes.append(f"shape inference skipped: {str(e)[:120]}")
+    return model, notes
+
+
+def onnx_from_torch(model_cfg: Any, profiles: list[dict], out_path: Path) -> str:
+    """torch.nn.Module from a zero-argument factory -> ONNX, dims that vary in the profiles exported as dynamic axes."""
+    try:
+        import torch
+    except ImportError:
+        raise ConfigError("model.format=torch needs PyTorch, which is not installed",
+                          fix="pip install 'trtforge[torch]' (torch==2.13.0)") from None
+    factory = str(model_cfg["factory"] or "")
+    mod_name, _, fn_name = factory.partition(":")
+    if not mod_name or not fn_name:
+        raise ConfigError(f"model.factory={factory!r} is not 'module.path:callable'", fix="e.g. model.factory=mypkg.models:make_net")
+    if "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    try:
+        fn = getattr(importlib.import_module(mod_name), fn_name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"model.factory={factory!r} cannot be imported: {e}",
+                          fix="make the module importable (installed, or in the working directory)") from None
+    try:
+        module = fn()
+    except Exception as e:
+        raise StageError(f"model.factory={factory!r} raised {type(e).__name__}: {e}", stage="export") from e
+    if not isinstance(module, torch.nn.Module):
+        raise ConfigError(f"model.factory={factory!r} returned {type(module).__name__}, not a torch.nn.Module",
+                          fix="return an nn.Module from the factory")
+    module.eval()
+    specs = dict(model_cfg["inputs"])
+    if not specs:
+        raise ConfigError("model.inputs is empty for format=torch", fix="map each forward() argument to {shape: [...], dtype: float32}")
+    gen = torch.Generator().manual_seed(0)
+    args = []
+    for name, spec in specs.items():
+        dtype = getattr(torch, str(spec["dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ConfigError(f"model.inputs.{name}.dtype={spec['dtype']!r} is not a torch dtype", fix="e.g. float32, int64")
+        shape = [int(d) for d in spec["shape"]]
+        args.append(torch.rand(shape, generator=gen).to(dtype) if dtype.is_floating_point else torch.zeros(shape, dtype=dtype))
+    dynamic_axes = {}
+    for prof in profiles:
+        for name, r in prof.items():
+            for i, (lo, hi) in enumerate(zip(r["min"], r["max"])):
+                if lo != hi:
+                    dynamic_axes.setdefault(name, {})[i] = f"{name}_dim{i}"
+    names = list(specs)
+    errors = []
+    for dynamo in (True, False):
+        try:
+            kwargs = dict(input_names=names, dynamic_axes=dynamic_axes or None, opset_version=int(model_cfg["opset"]),
+                          dynamo=dynamo)
+            if dynamo:
+                kwargs["external_data"] = False
+            with torch.no_grad():
+                torch.onnx.export(module, tuple(args), str(out_path), **kwargs)
+            return f"torch.onnx.export(dynamo={dynamo})"
+        except Exception as e:  # fall back to the legacy exporter
+            errors.append(f"dynamo={dynamo}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+    raise StageError("torch.onnx.export failed: " + " | ".join(errors), stage="export", file=factory,
+                     fix="check that forward() runs on the example inputs in model.inputs")

@@ -1,0 +1,445 @@
+"""FP32 -> FP16 ONNX conversion for strongly typed TensorRT(-RTX) builds.
+
+TensorRT-RTX takes precision from the graph's tensor types, so the graph itself
+has to be fp16.  This wraps onnxconverter-common's converter and works around
+the problems it has with real models (see ``fp16_from_onnx``).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+FP16_MAX = 65504.0
+# Initializers whose fp16 rounding error (relative L2) exceeds this keep their
+# consumers in fp32 (plain fp16 rounding is <= 2**-11 ~ 4.9e-4; denormal
+# eps scalars like 1e-5 are ~1.4e-3 and harmless).
+MAX_REL_ERROR = 1e-2
+# Ops always kept in fp32 on top of onnxconverter-common's default block list.
+# BatchNormalization: variances up to ~1e8 in PP-OCRv4 det overflow fp16.
+EXTRA_FP32_OPS = ("BatchNormalization",)
+# Ops whose output carries only metadata (shape) of their input, not its values.
+SHAPE_OPS = ("Shape", "Size")
+
+
+def fp16_from_onnx(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
+    """fp16 copy of ``model``; the converter's per-value truncation warnings are silenced (the stats count them)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return _fp16_from_onnx(model)
+
+
+def _fp16_from_onnx(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
+    """Return an fp16 copy of ``model`` (graph inputs/outputs stay fp32) and stats.
+
+    Nodes kept in fp32:
+      * ops in onnxconverter-common's default block list + EXTRA_FP32_OPS;
+      * nodes whose outputs don't depend on graph-input data except through
+        Shape/Size (shape arithmetic such as anchor grids): mixing their fp32
+        outputs with fp16 breaks TensorRT builds with dynamic shapes;
+      * nodes consuming a float initializer that fp16 can't hold: overflow
+        (|x| > 65504) or most of its mass in the subnormal range (relative L2
+        rounding error > MAX_REL_ERROR; stray denormal weights don't count).
+    The input model is not modified.  Stats count nodes after Constant folding:
+    ``fp16_nodes`` are those left to the fp16 graph (int-only ones included),
+    ``casts_added`` is the net number of Cast nodes inserted.
+    """
+    from onnxconverter_common import float16
+
+    if float16.check_if_fp16_ready(model.graph):
+        raise ValueError("model already contains fp16 tensors")
+    t0 = time.perf_counter()
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    g = m.graph
+
+    folded = _fold_constants(g) if m.ir_version >= 4 else 0  # IR<4: initializers must be inputs
+    _uniquify_node_names(g)
+
+    op_block = set(float16.DEFAULT_OP_BLOCK_LIST) | set(EXTRA_FP32_OPS)
+    reasons: dict[str, str] = {}
+    for node in g.node:
+        if node.op_type in op_block:
+            reasons[node.name] = "op"
+    for name in _shape_only_nodes(g):
+        reasons.setdefault(name, "shape_only")
+    for name in _range_unsafe_consumers(g):
+        reasons.setdefault(name, "initializer_range")
+    _split_shared_initializers(g, set(reasons))
+    kept = collections.Counter(n.op_type for n in g.node if n.name in reasons)
+
+    fp32_outputs = [o.name for o in g.output if o.type.tensor_type.elem_type == TensorProto.FLOAT]
+    del g  # let the pre-inference copy go
+    m = onnx.shape_inference.infer_shapes(m)
+    g = m.graph
+    _keep_float_value_info(g)  # only float value_info matters to the converter
+    n_before = len(g.node)
+
+    _convert_graph(g, op_block, set(reasons))
+    retargeted = _retarget_float_casts(g)
+    _restore_fp32_outputs(g, fp32_outputs)
+    bypassed = _bypass_cast_round_trips(g)
+    _uniquify_node_names(g)
+    _drop_dangling_value_info(g)
+
+    by_reason = collections.Counter(reasons.values())
+    n_fp32 = sum(kept.values())
+    stats = {
+        "fp16_nodes": n_before - n_fp32,
+        "fp32_nodes": n_fp32,
+        "kept_fp32_ops": dict(kept.most_common()),
+        "fp32_reasons": dict(by_reason),
+        "constants_folded": folded,
+        "casts_added": len(g.node) - n_before,
+        "casts_retargeted": retargeted,
+        "cast_round_trips_removed": bypassed,
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
+    return m, stats
+
+
+def _convert_graph(graph: onnx.GraphProto, op_block: set[str], node_block: set[str]) -> None:
+    """float16.convert_float_to_float16(keep_io_types=True, disable_shape_infer=True,
+    max_finite_val=FP16_MAX), in place, minus its quadratic parts.
+
+    Its topological sort and block-list cast insertion scan the whole graph per
+    node (>1 min at 10k nodes); both are replaced by linear versions here.
+    """
+    from onnxconverter_common import float16 as f
+
+    renamed_inputs: dict[str, str] = {}
+    level, top = [graph], True
+    while level:
+        next_level = []
+        for g in level:
+            f.process_graph_input(g, top, True, renamed_inputs)
+            vi_block = f.process_tensor_in_node(g, op_block, node_block, 1e-7, FP16_MAX)
+            f.process_value_info(g, vi_block)
+            _cast_around_blocked(g, op_block, node_block)
+            f.process_initializers(g, op_block, node_block, 1e-7, FP16_MAX)
+            f.process_graph_output(g, top, True)
+            next_level.extend(f.get_next_level_graph(g, op_block, node_block))
+            if not top:
+                f.process_node_input_output(g, renamed_inputs)
+            top = False
+        level = next_level
+    _toposort(graph)
+    f.remove_unnecessary_cast_node(graph)
+
+
+def _cast_around_blocked(g: onnx.GraphProto, op_block: set[str], node_block: set[str]) -> None:
+    """Linear-time float16.process_node_in_block_list: fp16 -> fp32 Casts before
+    blocked nodes, fp32 -> fp16 Casts after them (same names as the converter)."""
+    vi_in: dict[str, onnx.ValueInfoProto] = {}
+    vi_out: dict[str, onnx.ValueInfoProto] = {}
+    for v in g.value_info:
+        vi_in.setdefault(v.name, v)
+        vi_out.setdefault(v.name, v)
+    for v in g.input:
+        vi_in.setdefault(v.name, v)
+    for v in g.output:
+        vi_out.setdefault(v.name, v)
+
+    def add_vi(like, name, dtype):
+        v = g.value_info.add()
+        v.CopyFrom(like)
+        v.name = name
+        v.type.tensor_type.elem_type = dtype
+
+    for node in list(g.node):  # snapshot: don't visit the Casts we append
+        if node.op_type not in op_block and node.name not in node_block:
+            continue
+        for i, name in enumerate(node.input):
+            v = vi_in.get(name)
+            if v is not None and v.type.tensor_type.elem_type == TensorProto.FLOAT16:
+                new = f"{node.name}_input_cast_{i}"
+                add_vi(v, new, TensorProto.FLOAT)
+                g.node.append(helper.make_node("Cast", [name], [new], to=TensorProto.FLOAT, name=f"{node.name}_input_cast{i}"))
+                node.input[i] = new
+        for i, name in enumerate(node.output):
+            v = vi_out.get(name)
+            if v is not None and v.type.tensor_type.elem_type == TensorProto.FLOAT:
+                new = f"{node.name}_output_cast_{i}"
+                add_vi(v, new, TensorProto.FLOAT)
+                v.type.tensor_type.elem_type = TensorProto.FLOAT16
+                g.node.append(helper.make_node("Cast", [new], [name], to=TensorProto.FLOAT16, name=f"{node.name}_output_cast{i}"))
+                node.output[i] = new
+
+
+def _toposort(g: onnx.GraphProto) -> None:
+    """Stable topological sort (iterative DFS), recursing into subgraphs."""
+    nodes = list(g.node)
+    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    deps = [[producer[x] for x in _node_inputs(n) if x in producer] for n in nodes]
+    done = [False] * len(nodes)
+    order = []
+    for root in range(len(nodes)):
+        if done[root]:
+            continue
+        done[root] = True
+        stack = [(root, 0)]
+        while stack:
+            i, k = stack[-1]
+            if k < len(deps[i]):
+                stack[-1] = (i, k + 1)
+                j = deps[i][k]
+                if not done[j]:
+                    done[j] = True
+                    stack.append((j, 0))
+            else:
+                stack.pop()
+                order.append(i)
+    if order != list(range(len(nodes))):
+        del g.node[:]
+        g.node.extend(nodes[i] for i in order)
+    for node in g.node:
+        for a in node.attribute:
+            for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                _toposort(sub)
+
+
+def _fold_constants(g: onnx.GraphProto) -> int:
+    """Move top-level Constant nodes into initializers.
+
+    The converter clamps Constant node attributes blindly; as initializers they
+    get range-checked and stay fp32 when consumed by a blocked node.
+    """
+    keep, n = [], 0
+    for node in g.node:
+        t = _constant_tensor(node) if node.op_type == "Constant" else None
+        if t is None:
+            keep.append(node)
+            continue
+        t.name = node.output[0]
+        g.initializer.append(t)
+        n += 1
+    if n:
+        del g.node[:]
+        g.node.extend(keep)
+    return n
+
+
+def _constant_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
+    a = node.attribute[0] if len(node.attribute) == 1 else None
+    if a is None:
+        return None
+    if a.name == "value":
+        t = TensorProto()
+        t.CopyFrom(a.t)
+        return t
+    simple = {
+        "value_float": (TensorProto.FLOAT, [], [a.f]),
+        "value_floats": (TensorProto.FLOAT, [len(a.floats)], list(a.floats)),
+        "value_int": (TensorProto.INT64, [], [a.i]),
+        "value_ints": (TensorProto.INT64, [len(a.ints)], list(a.ints)),
+    }
+    if a.name in simple:
+        dtype, dims, vals = simple[a.name]
+        return helper.make_tensor("", dtype, dims, vals)
+    return None  # sparse / string constants: leave as nodes
+
+
+def _uniquify_node_names(g: onnx.GraphProto) -> None:
+    # node_block_list matches by name and the converter derives Cast names
+    # from node names, so every node needs a distinct, non-empty name.
+    seen: set[str] = set()
+    for i, node in enumerate(g.node):
+        name = node.name or f"{node.op_type}_{i}"
+        base, k = name, 1
+        while name in seen:
+            name = f"{base}_{k}"
+            k += 1
+        node.name = name
+        seen.add(name)
+
+
+def _node_inputs(node: onnx.NodeProto) -> list[str]:
+    """Node inputs plus outer-scope names referenced from its subgraphs."""
+    names = [i for i in node.input if i]
+    for a in node.attribute:
+        for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+            for n in sub.node:
+                names.extend(_node_inputs(n))
+    return names
+
+
+def _shape_only_nodes(g: onnx.GraphProto) -> list[str]:
+    """Names of nodes whose outputs don't depend on graph-input *values*.
+
+    A tensor is "data" if it is a graph input or the output of a non-Shape/Size
+    node with any data input.  Nodes producing no data tensors are shape
+    arithmetic (or constant folding material) and are kept in fp32.
+    """
+    inits = {t.name for t in g.initializer}
+    data = {i.name for i in g.input if i.name not in inits}
+    out = []
+    for node in g.node:  # ONNX requires topological order
+        if node.op_type not in SHAPE_OPS and any(i in data for i in _node_inputs(node)):
+            data.update(node.output)
+        else:
+            out.append(node.name)
+    return out
+
+
+def _range_unsafe_consumers(g: onnx.GraphProto) -> set[str]:
+    """Names of nodes consuming float initializers that don't survive fp16."""
+    bad = {
+        t.name
+        for t in g.initializer
+        if t.data_type == TensorProto.FLOAT and _fp16_rel_error(numpy_helper.to_array(t)) > MAX_REL_ERROR
+    }
+    if not bad:
+        return set()
+    return {n.name for n in g.node if bad.intersection(_node_inputs(n))}
+
+
+def _fp16_rel_error(a: np.ndarray, chunk: int = 1 << 20) -> float:
+    """Relative L2 error of casting ``a`` to fp16: inf on overflow, large when
+    the tensor's mass sits in fp16's subnormal/zero range.  A few denormal
+    leftovers in trained weights (common) don't count.  Chunked to bound memory."""
+    a = a.ravel()
+    finite = np.isfinite(a)
+    if not finite.all():
+        a = a[finite]
+    err = ref = 0.0
+    with np.errstate(over="ignore", invalid="ignore"):
+        for i in range(0, a.size, chunk):
+            x = a[i : i + chunk].astype(np.float64)
+            d = x.astype(np.float16).astype(np.float64) - x
+            err += float(np.square(d).sum())
+            ref += float(np.square(x).sum())
+    if err != err or err == np.inf:  # overflow -> inf/nan
+        return np.inf
+    return (err / ref) ** 0.5 if ref > 0 else 0.0
+
+
+def _split_shared_initializers(g: onnx.GraphProto, blocked: set[str]) -> None:
+    """Give fp16 consumers their own copy of float initializers shared with fp32 nodes.
+
+    The converter keeps any initializer feeding a blocked node in fp32, which
+    would hand fp32 weights to fp16 nodes sharing it.
+    """
+    floats = {t.name: t for t in g.initializer if t.data_type == TensorProto.FLOAT}
+    users = collections.defaultdict(set)
+    for node in g.node:
+        for i in node.input:
+            if i in floats:
+                users[i].add(node.name in blocked)
+    for name, kinds in users.items():
+        if len(kinds) < 2:
+            continue
+        copy = g.initializer.add()
+        copy.CopyFrom(floats[name])
+        copy.name = f"{name}_fp16"
+        for node in g.node:
+            if node.name not in blocked:
+                for k, i in enumerate(node.input):
+                    if i == name:
+                        node.input[k] = copy.name
+
+
+def _keep_float_value_info(g: onnx.GraphProto) -> None:
+    floats = (TensorProto.FLOAT, TensorProto.FLOAT16)
+    vi = [v for v in g.value_info if v.type.tensor_type.elem_type in floats]
+    del g.value_info[:]
+    g.value_info.extend(vi)
+
+
+def _retarget_float_casts(g: onnx.GraphProto) -> int:
+    """Cast(to=FLOAT) whose output the converter declared fp16 -> Cast(to=FLOAT16).
+
+    onnxconverter-common 1.16 changes the output type but not the ``to`` attribute.
+    """
+    fp16 = {v.name for v in g.value_info if v.type.tensor_type.elem_type == TensorProto.FLOAT16}
+    n = 0
+    for node in g.node:
+        if node.op_type == "Cast" and node.output[0] in fp16:
+            for a in node.attribute:
+                if a.name == "to" and a.i == TensorProto.FLOAT:
+                    a.i = TensorProto.FLOAT16
+                    n += 1
+    return n
+
+
+def _restore_fp32_outputs(g: onnx.GraphProto, names: list[str]) -> None:
+    """Make graph outputs that were fp32 fp32 again.
+
+    When a blocked (fp32) node produces a graph output, the converter casts it
+    to fp16 under the output's name and then skips its own fp32 output cast.
+    """
+    outputs = {o.name: o for o in g.output}
+    producer = {o: n for n in g.node for o in n.output}
+    for name in names:
+        out = outputs[name]
+        if out.type.tensor_type.elem_type == TensorProto.FLOAT or name not in producer:
+            continue
+        out.type.tensor_type.elem_type = TensorProto.FLOAT
+        node = producer[name]
+        if node.op_type == "Cast":  # the converter's fp32 -> fp16 cast: retarget it
+            for a in node.attribute:
+                if a.name == "to":
+                    a.i = TensorProto.FLOAT
+            continue
+        k = list(node.output).index(name)
+        node.output[k] = f"{name}_fp16"
+        g.node.append(helper.make_node("Cast", [node.output[k]], [name], to=TensorProto.FLOAT, name=f"{name}_cast_fp32"))
+
+
+def _drop_dangling_value_info(g: onnx.GraphProto) -> None:
+    produced = {o for n in g.node for o in n.output}
+    vi = [v for v in g.value_info if v.name in produced]
+    del g.value_info[:]
+    g.value_info.extend(vi)
+
+
+def _bypass_cast_round_trips(g: onnx.GraphProto) -> int:
+    """Rewire x(fp32) -> Cast(fp16) -> Cast(fp32) -> y to use x directly.
+
+    The converter puts such pairs between chained fp32 nodes (e.g. shape
+    arithmetic feeding several consumers); they only lose precision.
+    Dead Casts left behind are removed.
+    """
+    types = {v.name: v.type.tensor_type.elem_type for v in (*g.input, *g.value_info)}
+    types.update({t.name: t.data_type for t in g.initializer})
+    producer = {o: n for n in g.node for o in n.output}
+    graph_outputs = {o.name for o in g.output}
+
+    def cast_to(node):
+        return next((a.i for a in node.attribute if a.name == "to"), None)
+
+    rename = {}
+    for node in g.node:
+        if node.op_type != "Cast" or cast_to(node) != TensorProto.FLOAT:
+            continue
+        up = producer.get(node.input[0])
+        if (
+            up is not None
+            and up.op_type == "Cast"
+            and cast_to(up) == TensorProto.FLOAT16
+            and types.get(up.input[0]) == TensorProto.FLOAT
+            and node.output[0] not in graph_outputs
+        ):
+            rename[node.output[0]] = up.input[0]
+    if not rename:
+        return 0
+    for node in g.node:
+        for k, i in enumerate(node.input):
+            if i in rename:
+                node.input[k] = rename[i]
+
+    # Drop Casts whose outputs are no longer used (the bypassed pairs).
+    while True:
+        used = set(graph_outputs)
+        for node in g.node:
+            used.update(_node_inputs(node))
+        keep = [n for n in g.node if n.op_type != "Cast" or n.output[0] in used]
+        if len(keep) == len(g.node):
+            return len(rename)
+        del g.node[:]
+        g.node.extend(keep)

@@ -1,0 +1,143 @@
+"""Typed configuration schema. Pure dataclasses: Hydra registers them in flows/config.py.
+
+`MISSING` marks required keys; OmegaConf's struct mode (via the ConfigStore) rejects unknown keys.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from omegaconf import MISSING
+
+STAGES = ("export", "partition", "build", "calibrate", "validate", "benchmark")
+PRECISIONS = ("fp32", "fp16", "int8", "fp8")
+
+
+@dataclass
+class DimRange:
+    min: List[int] = MISSING
+    opt: List[int] = MISSING
+    max: List[int] = MISSING
+
+
+@dataclass
+class TensorSpec:
+    shape: List[int] = MISSING
+    dtype: str = "float32"
+
+
+@dataclass
+class ImageRecipe:
+    """How to turn images into model inputs (PP-OCR style preprocessing)."""
+
+    source: str = MISSING  # a folder of images, or "synthetic:text" (text pages rendered with PIL)
+    input: str = "x"  # the model input the images feed
+    height: int = 640
+    width: int = 640
+    channel_order: str = "BGR"  # BGR or RGB
+    scale: float = 0.00392156862745098  # 1/255
+    mean: List[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+    std: List[float] = field(default_factory=lambda: [1.0, 1.0, 1.0])
+    layout: str = "NCHW"
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    format: str = "onnx"  # onnx | torch
+    source: Optional[str] = None  # path or pkg://PACKAGE/REL/PATH (format onnx)
+    factory: Optional[str] = None  # "module.path:callable" (format torch)
+    inputs: Dict[str, TensorSpec] = field(default_factory=dict)  # torch: forward() args in order
+    opset: int = 17  # torch export opset
+    profiles: List[Dict[str, DimRange]] = field(default_factory=list)
+    # per input, per dim: drawn shapes are multiples of this (PP-OCR det needs H and W divisible by 32)
+    shape_multiple: Dict[str, List[int]] = field(default_factory=dict)
+    images: Optional[ImageRecipe] = None  # real-looking inputs for calibration/validation
+
+
+@dataclass
+class TargetConfig:
+    name: str = MISSING  # sm_86
+    compute_capability: str = MISSING  # "8.6"
+    architecture: str = MISSING  # Ampere
+    gpus: List[str] = field(default_factory=list)
+    precisions: List[str] = field(default_factory=lambda: ["fp32"])
+    backend: str = "tensorrt_rtx"  # tensorrt_rtx (CPU-only AOT) | tensorrt (Enterprise, on a GPU of this arch)
+    supported: bool = True
+    jetson: bool = False
+    note: str = ""
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = MISSING
+    quantized: bool = False  # int8/fp8: explicit Q/DQ from calibration
+    baseline: str = "fp32"  # precision of the baseline engine that build makes
+    min_compute_capability: str = "0.0"
+
+
+@dataclass
+class CalibrationConfig:
+    method: str = "entropy"  # entropy | minmax | percentile
+    data: Optional[str] = None  # .npz/.npy file or folder of them, one array per input name
+    samples: int = 32
+
+
+@dataclass
+class ValidationConfig:
+    data: Optional[str] = None
+    samples: int = 2  # random shapes (besides min, opt, max) when no data is given
+    seed: int = 0
+    engine: bool = True  # also run the engine where a supported GPU exists
+
+
+@dataclass
+class AccuracyConfig:
+    min_cosine: float = 0.99
+
+
+@dataclass
+class PartitionConfig:
+    min_subgraph_size: int = 3
+    exclude_ops: List[str] = field(default_factory=list)
+    strict: bool = False
+
+
+@dataclass
+class BuildConfig:
+    optimization_level: int = 3
+    workspace_mib: Optional[int] = None
+    timing_cache: bool = True
+
+
+@dataclass
+class BenchmarkConfig:
+    warmup: int = 3
+    iterations: int = 10
+    repeats: int = 3
+    threads: int = 0  # ONNX Runtime intra-op threads; 0 = its default
+
+
+@dataclass
+class StagesConfig:
+    validate: bool = True
+    benchmark: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = MISSING
+    target: TargetConfig = MISSING
+    precision: PrecisionConfig = MISSING
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    accuracy: AccuracyConfig = field(default_factory=AccuracyConfig)
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
+    build: BuildConfig = field(default_factory=BuildConfig)
+    benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
+    stages: StagesConfig = field(default_factory=StagesConfig)
+    cache_dir: str = ".trtforge/cache"
+    out_dir: str = "out"
+    summary_out: Optional[str] = None
+    experiment: str = "trtforge"
+    seed: int = 0

@@ -1,0 +1,99 @@
+"""Stage 5, validate: the precision-transformed graph (and the engine, on a supported GPU) against fp32."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .errors import AccuracyError
+from .runtime import ort_run, ort_session
+from .util import StageResult, write_json
+
+NEAR_ZERO = 1e-4  # reference outputs smaller than this everywhere make a cosine meaningless
+
+
+def compare(reference: dict[str, np.ndarray], candidate: dict[str, np.ndarray]) -> dict[str, dict]:
+    """Per output: max/mean absolute error and cosine similarity (float64, flattened)."""
+    out = {}
+    for name, ref in reference.items():
+        got = candidate[name]
+        a = ref.astype(np.float64).ravel()
+        b = got.astype(np.float64).ravel()
+        if a.shape != b.shape:
+            out[name] = {"cosine": 0.0, "max_abs": float("inf"), "mean_abs": float("inf"), "ref_max_abs": float(np.abs(a).max(initial=0)),
+                         "error": f"shape {list(got.shape)} != reference {list(ref.shape)}"}
+            continue
+        finite = bool(np.isfinite(b).all())
+        diff = np.abs(a - b)
+        na, nb = np.linalg.norm(a), np.linalg.norm(b)
+        if na == 0 and nb == 0:
+            cos = 1.0
+        elif na == 0 or nb == 0 or not finite:
+            cos = 0.0
+        else:
+            cos = float(np.dot(a, b) / (na * nb))
+        out[name] = {"cosine": cos, "max_abs": float(diff.max(initial=0)) if finite else float("inf"),
+                     "mean_abs": float(diff.mean()) if finite and diff.size else 0.0,
+                     "ref_max_abs": float(np.abs(a).max(initial=0))}
+    return out
+
+
+def summarize(per_feed: list[dict[str, dict]]) -> dict[str, dict]:
+    """Worst case over the feeds, per output."""
+    worst: dict[str, dict] = {}
+    for res in per_feed:
+        for name, m in res.items():
+            w = worst.setdefault(name, {"cosine": 1.0, "max_abs": 0.0, "mean_abs": 0.0, "ref_max_abs": 0.0})
+            w["cosine"] = min(w["cosine"], m["cosine"])
+            w["max_abs"] = max(w["max_abs"], m["max_abs"])
+            w["mean_abs"] = max(w["mean_abs"], m["mean_abs"])
+            w["ref_max_abs"] = max(w["ref_max_abs"], m["ref_max_abs"])
+    return worst
+
+
+def validate_onnx(reference: Path, candidate: Path, feeds: list[dict[str, np.ndarray]], min_cosine: float,
+                  inputs_source: str, out_path: Path, engine_outputs: list[dict[str, np.ndarray]] | None = None,
+                  engine_skip_reason: str | None = None) -> StageResult:
+    """Compare candidate to reference in ONNX Runtime on every feed; gate on min_cosine; write a JSON report."""
+    t0 = time.perf_counter()
+    ref_sess, cand_sess = ort_session(reference), ort_session(candidate)
+    refs = [ort_run(ref_sess, f) for f in feeds]
+    per_feed = [compare(r, ort_run(cand_sess, f)) for r, f in zip(refs, feeds)]
+    worst = summarize(per_feed)
+    cosine_min = min(m["cosine"] for m in worst.values())
+    warnings = []
+    near_zero = [n for n, m in worst.items() if m["ref_max_abs"] < NEAR_ZERO]
+    if near_zero:
+        warnings.append(f"reference outputs {near_zero} are ~0 on these inputs (max |x| < {NEAR_ZERO}); their cosine compares "
+                        f"rounding noise: give validation.data or model.images for a meaningful check")
+    if inputs_source == "random":
+        warnings.append("validated on random inputs inside the profiles (no validation.data, calibration data or model.images)")
+    engine = None
+    if engine_outputs is not None:
+        eng = summarize([compare(r, e) for r, e in zip(refs, engine_outputs)])
+        engine = {"status": "ok", "outputs": eng, "cosine_min": min(m["cosine"] for m in eng.values())}
+        cosine_min = min(cosine_min, engine["cosine_min"])
+    else:
+        engine = {"status": "skipped", "reason": engine_skip_reason or "engine execution not requested"}
+    report = {
+        "inputs": inputs_source, "feeds": [{n: list(a.shape) for n, a in f.items()} for f in feeds],
+        "min_cosine": min_cosine, "cosine_min": cosine_min, "outputs": worst, "per_feed": per_feed,
+        "engine": engine, "warnings": warnings, "passed": cosine_min >= min_cosine,
+    }
+    write_json(out_path, report)
+    metrics = {"cosine_min": cosine_min, "max_abs_err": max(m["max_abs"] for m in worst.values()),
+               "mean_abs_err": max(m["mean_abs"] for m in worst.values()), "validate_feeds": len(feeds),
+               "validate_seconds": time.perf_counter() - t0}
+    if engine.get("cosine_min") is not None:
+        metrics["engine_cosine_min"] = engine["cosine_min"]
+    result = StageResult(files={"validation": out_path}, metrics=metrics, details=report)
+    if cosine_min < min_cosine:
+        worst_name = min(worst, key=lambda n: worst[n]["cosine"])
+        err = AccuracyError(
+            f"output {worst_name!r} has cosine {cosine_min:.6f} to fp32, below accuracy.min_cosine={min_cosine}",
+            stage="validate", file=str(candidate),
+            fix="use a higher precision, or lower accuracy.min_cosine if that loss is acceptable")
+        err.result = result
+        raise err
+    return result

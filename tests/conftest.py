@@ -1,0 +1,101 @@
+"""Shared fixtures: real models (PP-OCRv4 from the installed package, tiny ones built in code), an isolated
+MLflow store and Prefect home per session, and real TensorRT-RTX / ONNX Runtime everywhere."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+_SESSION_TMP = Path(tempfile.mkdtemp(prefix="trtforge-tests-"))
+os.environ["PREFECT_HOME"] = str(_SESSION_TMP / "prefect")
+os.environ["PREFECT_LOCAL_STORAGE_PATH"] = str(_SESSION_TMP / "prefect" / "storage")
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "90"
+os.environ["PREFECT_LOGGING_LEVEL"] = "WARNING"
+os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_SESSION_TMP / 'mlflow.db'}"
+os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
+os.environ["DO_NOT_TRACK"] = "true"
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+PKG_MODELS = "pkg://rapidocr_onnxruntime/models/"
+
+
+def pkg_model(name: str) -> Path:
+    from tasks.models import resolve_source
+
+    return resolve_source(PKG_MODELS + name)
+
+
+@pytest.fixture(scope="session")
+def session_tmp() -> Path:
+    return _SESSION_TMP
+
+
+@pytest.fixture(scope="session")
+def det_path() -> Path:
+    return pkg_model("ch_PP-OCRv4_det_infer.onnx")
+
+
+@pytest.fixture(scope="session")
+def cls_path() -> Path:
+    return pkg_model("ch_ppocr_mobile_v2.0_cls_infer.onnx")
+
+
+def make_conv_model(path: Path, channels: int = 8, custom_op: str | None = None, opset: int = 17) -> Path:
+    """x[N,3,H,W] -> Conv -> Relu -> (optional custom op) -> Conv -> y. Weights seeded, dynamic N/H/W."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w1 = numpy_helper.from_array(rng.standard_normal((channels, 3, 3, 3)).astype(np.float32) * 0.2, "w1")
+    b1 = numpy_helper.from_array(rng.standard_normal(channels).astype(np.float32) * 0.1, "b1")
+    w2 = numpy_helper.from_array(rng.standard_normal((4, channels, 3, 3)).astype(np.float32) * 0.2, "w2")
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+             helper.make_node("Relu", ["c1"], ["r1"], name="relu1")]
+    mid = "r1"
+    opsets = [helper.make_opsetid("", opset)]
+    if custom_op:
+        nodes.append(helper.make_node(custom_op, ["r1"], ["u1"], domain="trtforge.test", name="custom1"))
+        opsets.append(helper.make_opsetid("trtforge.test", 1))
+        mid = "u1"
+    nodes.append(helper.make_node("Conv", [mid, "w2"], ["y"], pads=[1, 1, 1, 1], name="conv2"))
+    graph = helper.make_graph(
+        nodes, "tiny",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, "height", "width"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4, "height", "width"])],
+        initializer=[w1, b1, w2])
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="trtforge-tests")
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_onnx(session_tmp) -> Path:
+    return make_conv_model(session_tmp / "tiny.onnx")
+
+
+TINY_PROFILE = {"x": {"min": [1, 3, 8, 8], "opt": [2, 3, 16, 16], "max": [4, 3, 32, 32]}}
+
+
+@pytest.fixture(scope="session")
+def user_config_dir(session_tmp, tiny_onnx) -> Path:
+    """A user's own --config-dir holding one model YAML (the way users add models)."""
+    d = session_tmp / "userconf"
+    (d / "model").mkdir(parents=True, exist_ok=True)
+    (d / "model" / "tiny.yaml").write_text(
+        "name: tiny\nformat: onnx\n"
+        f"source: {tiny_onnx}\n"
+        "profiles:\n  - x: {min: [1, 3, 8, 8], opt: [2, 3, 16, 16], max: [4, 3, 32, 32]}\n")
+    return d
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=90):
+        yield

@@ -1,0 +1,50 @@
+import onnx
+import pytest
+
+from tasks.errors import ConfigError
+from tasks.export import onnx_from_model, sanitize
+from tasks.models import graph_io
+
+
+def test_cls_shared_dim_names_become_distinct(cls_path):
+    model, notes = sanitize(onnx.load(str(cls_path)))
+    dims = [d.dim_param for d in model.graph.input[0].type.tensor_type.shape.dim]
+    assert dims[2] and dims[3] and dims[2] != dims[3]
+    assert any("renamed" in n for n in notes)
+
+
+def test_constant_nodes_are_folded(det_path, tmp_path):
+    r = onnx_from_model({"format": "onnx", "source": str(det_path)}, [], tmp_path / "m.onnx")
+    m = onnx.load(str(r.files["onnx"]))
+    assert not any(n.op_type == "Constant" for n in m.graph.node)
+    assert len(m.graph.initializer) > 100
+    onnx.checker.check_model(m)
+
+
+def torch_available():
+    try:
+        import torch  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+@pytest.mark.skipif(not torch_available(), reason="PyTorch is not installed (pip install 'trtforge[torch]')")
+def test_torch_factory_exports_with_dynamic_axes_from_the_profile(tmp_path):
+    cfg = {"format": "torch", "factory": "tests.tasks.torch_models:small_cnn", "opset": 17,
+           "inputs": {"image": {"shape": [1, 3, 32, 32], "dtype": "float32"}}}
+    profiles = [{"image": {"min": [1, 3, 32, 32], "opt": [2, 3, 64, 64], "max": [4, 3, 128, 128]}}]
+    r = onnx_from_model(cfg, profiles, tmp_path / "m.onnx")
+    ins, outs = graph_io(onnx.load(str(r.files["onnx"])))
+    assert ins[0].name == "image"
+    assert all(isinstance(d, str) for i, d in enumerate(ins[0].shape) if i != 1), ins[0].shape
+    assert ins[0].shape[1] == 3
+    assert "torch.onnx.export" in r.details["how"]
+
+
+@pytest.mark.skipif(not torch_available(), reason="PyTorch is not installed")
+def test_torch_factory_that_cannot_be_imported_is_a_config_error(tmp_path):
+    cfg = {"format": "torch", "factory": "no.such.module:make", "opset": 17, "inputs": {"x": {"shape": [1], "dtype": "float32"}}}
+    with pytest.raises(ConfigError) as e:
+        onnx_from_model(cfg, [], tmp_path / "m.onnx")
+    assert "no.such.module:make" in str(e.value)
