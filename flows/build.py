@@ -22,7 +22,7 @@ from prefect.cache_policies import NONE  # noqa: E402
 from flows import stages  # noqa: E402
 from flows.cache import StageCache  # noqa: E402
 from flows.config import compose_config, flat_params, preflight  # noqa: E402
-from tasks.errors import ConfigError, TrtforgeError  # noqa: E402
+from tasks.errors import TrtforgeError  # noqa: E402
 from tasks.util import replace_dir, write_json  # noqa: E402
 
 
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             if os.environ.get("TRTFORGE_TRACEBACK"):
                 raise
             print(f"trtforge: error: {e.render()}", file=sys.stderr)
-            code = max(code, e.exit_code if isinstance(e, ConfigError) else 1)
+            code = max(code, e.exit_code)
     return code
 
 

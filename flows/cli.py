@@ -15,7 +15,7 @@ USAGE = """python -m flows.build [--config-dir DIR] [-m] [--cfg] key=value ...
   -m target=sm_80,sm_86 precision=fp16,int8                sweep: one build per combination
   --config-dir DIR                                         add DIR (model/NAME.yaml, ...) to the config search path
   --cfg                                                    print the resolved config and exit
-Exit status: 0 all stages ok, 1 a stage failed, 2 bad input. TRTFORGE_TRACEBACK=1 shows tracebacks."""
+Exit status: 0 all stages ok, 1 a stage failed, 2 bad input, 3 needs a GPU/backend this host lacks. TRTFORGE_TRACEBACK=1 shows tracebacks."""
 
 
 def parse_args(argv: list[str]):

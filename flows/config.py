@@ -176,6 +176,15 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> dict[str, Any]:
             raise ConfigError(f"model.images.source={src!r} is unknown", fix="use synthetic:text or a folder of images")
     search = config_dir_search(config_dir)
     facts: dict[str, Any] = {}
+    if t.backend == "tensorrt":  # Enterprise TensorRT builds on the GPU it targets: say plainly what is missing
+        from tasks.backend import gpu_for, no_gpu_reason
+        from tasks.errors import UnavailableError
+        if gpu_for(t.compute_capability) is None:
+            raise UnavailableError(
+                f"target={t.name} ({t.architecture}) needs Enterprise TensorRT on a GPU of compute capability "
+                f"{t.compute_capability}: {no_gpu_reason(t.compute_capability)} ({t.note})",
+                fix="run the build on such a GPU host, or pick a TensorRT-RTX target that builds anywhere: "
+                    "sm_75, sm_80, sm_86, sm_89, sm_120, sm_121")
     backend = Backend(t.backend)
     backend.check_can_build(t.compute_capability)
     facts["backend"] = backend

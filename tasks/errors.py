@@ -43,4 +43,6 @@ class AccuracyError(StageError):
 
 
 class UnavailableError(TrtforgeError):
-    """What the stage needs does not exist on this host (a GPU, a backend)."""
+    """What the build needs does not exist on this host (a GPU of the target's architecture, a backend)."""
+
+    exit_code = 3

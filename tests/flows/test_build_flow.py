@@ -1,0 +1,157 @@
+"""The whole flow with real Prefect (test harness), real TensorRT-RTX builds and a real MLflow store."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flows.config import compose_config
+from tasks.util import sha256_file
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def build(overrides, config_dir, tmp: Path):
+    from flows.build import run_build
+
+    cfg = compose_config([f"cache_dir={tmp / 'cache'}", f"out_dir={tmp / 'out'}", f"summary_out={tmp / 'summary.json'}",
+                          "benchmark.iterations=3", "benchmark.repeats=2", *overrides], str(config_dir) if config_dir else None)
+    return run_build(cfg, str(config_dir) if config_dir else None, show_progress=False)
+
+
+def mlflow_run(run_id):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+
+
+@pytest.fixture(scope="module")
+def tiny_build(prefect_harness, user_config_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tiny")
+    first = build(["model=tiny", "precision=fp32"], user_config_dir, tmp)
+    second = build(["model=tiny", "precision=fp32"], user_config_dir, tmp)
+    return tmp, first, second
+
+
+def test_user_model_builds_a_real_engine_with_an_ok_summary(tiny_build):
+    tmp, s, _ = tiny_build
+    assert s["status"] == "ok", s.get("error")
+    assert [s["stages"][k]["status"] for k in ("export", "partition", "build", "calibrate", "validate", "benchmark")] == \
+        ["ok", "ok", "ok", "skipped", "ok", "ok"]
+    assert "no calibration" in s["stages"]["calibrate"]["reason"]
+    eng = Path(s["out_dir"]) / s["engine"]["file"]
+    assert eng.stat().st_size == s["engine"]["bytes"] > 10_000
+    assert sha256_file(eng) == s["engine"]["sha256"]
+    m = s["metrics"]
+    assert m["cosine_min"] > 0.99999 and m["trt_subgraphs"] == 1 and m["fallback_nodes"] == 0
+    assert m["ort_p50_ms"] > 0 and m["build_seconds"] > 0
+    assert "engine timing needs" in json.loads((Path(s["out_dir"]) / "benchmark.json").read_text())["engine"]["reason"] \
+        or m.get("trt_p50_ms")
+    written = json.loads((tmp / "summary.json").read_text())  # summary_out
+    assert written["engine"] == s["engine"] and written["status"] == "ok"
+
+
+def test_the_run_is_in_mlflow_with_tags_engine_summary_and_config(tiny_build):
+    _, s, _ = tiny_build
+    client = mlflow_run(s["mlflow"]["run_id"])
+    run = client.get_run(s["mlflow"]["run_id"])
+    assert {k: run.data.tags[k] for k in ("model", "target", "precision", "status")} == \
+        {"model": "tiny", "target": "sm_86", "precision": "fp32", "status": "ok"}
+    assert run.data.params["target.compute_capability"] == "8.6"
+    assert run.data.metrics["cosine_min"] > 0.99999
+    assert "version.backend" in run.data.tags
+    top = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"summary.json", "config.yaml", "engine"} <= top
+    engines = client.list_artifacts(run.info.run_id, "engine")
+    assert [a.path for a in engines] == [f"engine/{s['engine']['file']}"] and engines[0].file_size == s["engine"]["bytes"]
+
+
+def test_identical_second_build_is_served_from_the_cache(tiny_build):
+    _, first, second = tiny_build
+    assert second["status"] == "ok"
+    for k in ("export", "partition", "build", "validate", "benchmark"):
+        assert second["stages"][k]["status"] == "cached", k
+    assert second["engine"]["sha256"] == first["engine"]["sha256"]
+
+
+def test_fp16_for_sm_89_and_accuracy_budget_failure(prefect_harness, user_config_dir, tmp_path):
+    ok = build(["model=tiny", "precision=fp16", "target=sm_89"], user_config_dir, tmp_path)
+    assert ok["status"] == "ok" and 0.999 < ok["metrics"]["cosine_min"] < 1.0
+    bad = build(["model=tiny", "precision=fp16", "target=sm_89", "accuracy.min_cosine=1.0"], user_config_dir, tmp_path)
+    assert bad["status"] == "failed" and bad["stages"]["validate"]["status"] == "failed"
+    assert "accuracy.min_cosine=1.0" in bad["stages"]["validate"]["reason"]
+    assert bad["stages"]["benchmark"]["status"] == "skipped" and bad["engines"] == []
+    run = mlflow_run(bad["mlflow"]["run_id"]).get_run(bad["mlflow"]["run_id"])
+    assert run.data.tags["status"] == "failed" and run.info.status == "FAILED"
+    # the earlier good result stays published untouched; the failure is reported beside it
+    published = json.loads((tmp_path / "out" / "tiny" / "sm_89" / "fp16" / "summary.json").read_text())
+    assert published["status"] == "ok" and published["engine"] == ok["engine"]
+    assert json.loads((tmp_path / "out" / "tiny" / "sm_89" / "fp16.failed" / "summary.json").read_text())["status"] == "failed"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, profile", [
+    ("ppocr_det", "{x: {min: [1,3,64,64], opt: [1,3,320,320], max: [2,3,480,480]}}"),
+    ("ppocr_rec", "{x: {min: [1,3,48,64], opt: [4,3,48,320], max: [8,3,48,480]}}"),
+    ("ppocr_cls", "{x: {min: [1,3,48,96], opt: [4,3,48,192], max: [8,3,48,384]}}"),
+])
+@pytest.mark.parametrize("target", ["sm_86", "sm_89"])
+def test_ppocr_models_build_fp16_with_cosine_above_0999(prefect_harness, tmp_path, model, profile, target):
+    s = build([f"model={model}", f"target={target}", "precision=fp16", f"model.profiles=[{profile}]",
+               "stages.benchmark=false"], None, tmp_path)
+    assert s["status"] == "ok", s.get("error")
+    assert s["metrics"]["cosine_min"] >= 0.999
+    assert "images" in json.loads((Path(s["out_dir"]) / "validation.json").read_text())["inputs"]
+
+
+@pytest.mark.slow
+def test_torch_model_from_a_user_config_dir(prefect_harness, tmp_path):
+    pytest.importorskip("torch")
+    (tmp_path / "conf" / "model").mkdir(parents=True)
+    (tmp_path / "conf" / "model" / "cnn.yaml").write_text(
+        "name: cnn\nformat: torch\nfactory: tests.tasks.torch_models:small_cnn\n"
+        "inputs:\n  image: {shape: [1, 3, 32, 32], dtype: float32}\n"
+        "profiles:\n  - image: {min: [1, 3, 16, 16], opt: [2, 3, 32, 32], max: [4, 3, 64, 64]}\n")
+    s = build(["model=cnn", "precision=fp16"], tmp_path / "conf", tmp_path)
+    assert s["status"] == "ok", s.get("error")
+    assert s["metrics"]["cosine_min"] >= 0.999
+
+
+# --- the CLI, as users run it ----------------------------------------------------------------------------------
+
+def cli(args, tmp: Path, timeout=600):
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'cli-mlflow.db'}"}
+    return subprocess.run([sys.executable, "-m", "flows.build", *args], cwd=tmp, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args, code, words", [
+    (["target=sm_99"], 2, "valid targets"),
+    (["precison=fp16"], 2, "did you mean 'precision'"),
+    (["precision=fp8"], 2, "fp8 needs sm_89"),
+    (["target=sm_30"], 2, "not supported"),
+    (["model.name=../../evil"], 2, "not a safe name"),
+    (["-m", "target=sm_99,sm_98"], 2, "valid targets"),
+    (["target=sm_80,sm_86"], 2, "add -m"),
+])
+def test_cli_bad_input_exits_nonzero_with_a_short_message_and_no_run(tmp_path, args, code, words):
+    r = cli(args, tmp_path)
+    assert r.returncode == code, r.stderr
+    assert words in r.stderr and "fix:" in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.splitlines()) <= 6
+    assert not (tmp_path / "cli-mlflow.db").exists()  # no run at all, so none marked as succeeded
+
+
+@pytest.mark.slow
+def test_cli_sweep_builds_each_combination(tmp_path, user_config_dir):
+    r = cli(["--config-dir", str(user_config_dir), "-m", "model=tiny", "target=sm_80,sm_86", "precision=fp32",
+             "stages.benchmark=false", f"out_dir={tmp_path / 'out'}", f"cache_dir={tmp_path / 'cache'}"], tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for t in ("sm_80", "sm_86"):
+        s = json.loads((tmp_path / "out" / "tiny" / t / "fp32" / "summary.json").read_text())
+        assert s["status"] == "ok" and s["target"] == t
+    assert "cudaError" not in r.stdout + r.stderr

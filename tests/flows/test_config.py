@@ -1,0 +1,94 @@
+"""Composition and the whole-config check: bad input is refused before any heavy work, saying how to fix it."""
+import pytest
+
+from flows.config import compose_config, preflight
+from tasks.errors import ConfigError
+
+
+def refused(overrides, config_dir=None) -> str:
+    with pytest.raises(ConfigError) as e:
+        preflight(compose_config(overrides, config_dir), config_dir)
+    return str(e.value)
+
+
+def test_defaults_are_ppocr_det_fp16_and_every_target_composes():
+    cfg = compose_config([])
+    assert (cfg.model.name, cfg.target.name, cfg.precision.name) == ("ppocr_det", "sm_86", "fp16")
+    from flows.config import options
+    targets = options("target")
+    for t in ("sm_35", "sm_53", "sm_62", "sm_72", "sm_75", "sm_80", "sm_86", "sm_87", "sm_89", "sm_90", "sm_100", "sm_120", "sm_121"):
+        assert t in targets
+        c = compose_config([f"target={t}"])
+        assert c.target.name == t and c.target.gpus and c.target.architecture
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["precison=fp16"], "did you mean 'precision'"),
+    (["model.profile=[]"], "did you mean 'profiles'"),
+    (["validation.sample=3"], "did you mean 'samples'"),
+    (["target=sm_99"], "valid targets"),
+    (["model=ppocr_dett"], "did you mean model=ppocr_det"),
+    (["accuracy.min_cosine=high"], "accuracy.min_cosine"),
+])
+def test_composition_errors_name_the_key_and_suggest(overrides, words):
+    with pytest.raises(ConfigError) as e:
+        compose_config(overrides)
+    assert words in str(e.value)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["target=sm_30"], "not supported"),
+    (["target=sm_20"], "not supported"),
+    (["precision=fp8", "target=sm_86"], "fp8 needs sm_89"),
+    (["precision=int8", "model=tiny"], "needs calibration data"),
+    (["model=tiny", "model.name=../evil"], "not a safe name"),
+    (["model=tiny", "model.profiles=[{x: {min: [1,3,64,64], opt: [1,3,32,32], max: [1,3,128,128]}}]"], "min <= opt <= max"),
+    (["model=tiny", "model.profiles=[{x: {min: [1,3,8], opt: [1,3,8], max: [1,3,8]}}]"], "rank"),
+    (["model=tiny", "model.profiles=[{image: {min: [1,3,8,8], opt: [1,3,8,8], max: [1,3,8,8]}}]"], "no input 'image'"),
+    (["model=tiny", "model.source=/does/not/exist.onnx"], "file not found"),
+    (["model=tiny", "calibration.method=kl"], "entropy, minmax or percentile"),
+    (["model=tiny", "validation.data=/no/such/data.npz"], "validation.data"),
+])
+def test_bad_input_is_refused_before_heavy_work(overrides, words, user_config_dir):
+    msg = refused(overrides, str(user_config_dir))
+    assert words in msg and "fix:" in msg
+
+
+def test_sm_90_needs_enterprise_tensorrt_on_that_gpu(user_config_dir):
+    from tasks.backend import gpu_for
+    from tasks.errors import UnavailableError
+
+    if gpu_for("9.0"):
+        pytest.skip("this host has an sm_90 GPU")
+    with pytest.raises(UnavailableError) as e:
+        preflight(compose_config(["model=tiny", "target=sm_90"], str(user_config_dir)), str(user_config_dir))
+    assert "Enterprise TensorRT" in str(e.value) and "sm_89" in str(e.value)
+
+
+def test_corrupt_model_in_user_config_dir(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "broken.onnx").write_bytes(b"not an onnx file at all")
+    (tmp_path / "model" / "broken.yaml").write_text("name: broken\nsource: broken.onnx\n")
+    msg = refused(["model=broken"], str(tmp_path))
+    assert "broken.onnx" in msg and "not a readable ONNX model" in msg
+
+
+def test_unknown_key_in_a_user_model_yaml_is_refused(tmp_path, tiny_onnx):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "typo.yaml").write_text(f"name: typo\nsource: {tiny_onnx}\nprofile: []\n")
+    with pytest.raises(ConfigError) as e:
+        compose_config(["model=typo"], str(tmp_path))
+    assert "profiles" in str(e.value)
+
+
+def test_calibration_data_is_checked_against_the_model(tmp_path, user_config_dir):
+    import numpy as np
+
+    np.savez(tmp_path / "wrong_name.npz", image=np.zeros((1, 3, 16, 16), np.float32))
+    np.savez(tmp_path / "wrong_dtype.npz", x=np.zeros((1, 3, 16, 16), np.float64))
+    np.savez(tmp_path / "too_big.npz", x=np.zeros((1, 3, 64, 64), np.float32))
+    np.savez(tmp_path / "nan.npz", x=np.full((1, 3, 16, 16), np.nan, np.float32))
+    for f, words in [("wrong_name", "model's inputs are ['x']"), ("wrong_dtype", "float64"),
+                     ("too_big", "outside every profile"), ("nan", "NaN")]:
+        msg = refused(["model=tiny", "precision=int8", f"calibration.data={tmp_path / (f + '.npz')}"], str(user_config_dir))
+        assert words in msg, msg

@@ -1,0 +1,49 @@
+import numpy as np
+import pytest
+
+from tasks.errors import AccuracyError
+from tasks.validate import compare, summarize, validate_onnx
+
+
+def test_compare_and_summarize_cosine_over_the_whole_set():
+    a = {"y": np.array([1.0, 0.0], np.float32)}
+    same = compare(a, {"y": np.array([1.0, 0.0], np.float32)})
+    ortho = compare(a, {"y": np.array([0.0, 1.0], np.float32)})
+    assert same["y"]["cosine"] == pytest.approx(1.0) and ortho["y"]["cosine"] == pytest.approx(0.0)
+    s = summarize([same, ortho])["y"]
+    assert s["cosine_worst_feed"] == pytest.approx(0.0)
+    assert s["cosine"] == pytest.approx(0.5)  # (1 + 0) / sqrt(2 * 2)
+    assert s["max_abs"] == pytest.approx(1.0)
+
+
+def test_nan_or_shape_mismatch_is_never_accurate():
+    a = {"y": np.ones(4, np.float32)}
+    assert compare(a, {"y": np.full(4, np.nan, np.float32)})["y"]["cosine"] == 0.0
+    r = summarize([compare(a, {"y": np.ones(5, np.float32)})])["y"]
+    assert r["cosine"] == 0.0 and "shape" in r["error"]
+
+
+def test_identical_models_pass_and_the_budget_gates(tiny_onnx, tmp_path):
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.standard_normal((1, 3, 8, 8)).astype(np.float32)}]
+    r = validate_onnx(tiny_onnx, tiny_onnx, feeds, 0.999, "random", tmp_path / "v.json", engine_skip_reason="no GPU")
+    assert r.metrics["cosine_min"] == pytest.approx(1.0) and r.details["engine"]["status"] == "skipped"
+    assert any("random inputs" in w for w in r.details["warnings"])
+
+
+def test_budget_failure_carries_the_measured_result(tiny_onnx, tmp_path):
+    import onnx
+    from onnx import numpy_helper
+
+    m = onnx.load(str(tiny_onnx))
+    w = m.graph.initializer[0]
+    arr = numpy_helper.to_array(w).copy()
+    arr[0] *= -1  # flip one output channel's filter
+    w.CopyFrom(numpy_helper.from_array(arr, w.name))
+    worse = tmp_path / "worse.onnx"
+    onnx.save(m, str(worse))
+    feeds = [{"x": np.random.default_rng(1).standard_normal((1, 3, 8, 8)).astype(np.float32)}]
+    with pytest.raises(AccuracyError) as e:
+        validate_onnx(tiny_onnx, worse, feeds, 0.999, "random", tmp_path / "v.json")
+    assert e.value.result.metrics["cosine_min"] < 0.999
+    assert "accuracy.min_cosine=0.999" in str(e.value)
