@@ -1,0 +1,80 @@
+"""Real TensorRT-RTX builds (CPU-only AOT) and, where a supported GPU exists, real engine execution."""
+import numpy as np
+import pytest
+
+from tasks.backend import Backend, gpu_for, no_gpu_reason
+from tasks.build import engine_from_onnx
+from tasks.errors import StageError, UnavailableError
+from tests.conftest import TINY_PROFILE
+
+BUILD = {"optimization_level": 3, "workspace_mib": None}
+RTX_CC = ("7.5", "8.0", "8.6", "8.9", "12.0", "12.1")
+
+
+@pytest.fixture(scope="module")
+def rtx():
+    return Backend("tensorrt_rtx")
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_onnx, tmp_path_factory, rtx):
+    return engine_from_onnx(tiny_onnx, tmp_path_factory.mktemp("eng") / "tiny.engine", [TINY_PROFILE], "8.6", BUILD, rtx,
+                            show_progress=False)
+
+
+def test_builds_a_real_engine_for_sm86_on_this_host(tiny_engine, rtx):
+    data = tiny_engine.files["engine"].read_bytes()
+    assert len(data) == tiny_engine.metrics["engine_bytes"] > 1000
+    assert tiny_engine.details["backend"].startswith("tensorrt_rtx-1.7")
+    assert not any("cudaError" in line for line in tiny_engine.details["native_log"])
+    if not gpu_for("8.6"):
+        assert rtx.engine_validity(data) == "INVALID"  # what TensorRT-RTX answers without a GPU
+
+
+@pytest.mark.parametrize("cc", ["7.5", "8.9", "12.0"])
+def test_other_rtx_targets_build(tiny_onnx, tmp_path, rtx, cc):
+    r = engine_from_onnx(tiny_onnx, tmp_path / "e.engine", [TINY_PROFILE], cc, BUILD, rtx, show_progress=False)
+    assert r.metrics["engine_bytes"] > 1000
+
+
+def test_non_rtx_compute_capability_is_refused_plainly(rtx):
+    with pytest.raises(UnavailableError) as e:
+        rtx.check_can_build("9.0")
+    assert "SM86" in str(e.value)
+
+
+def test_builder_failure_is_wrapped_with_stage_and_file(tiny_onnx, tmp_path, rtx):
+    bad = {"x": {"min": [1, 3, 8, 8], "opt": [2, 3, 16, 16], "max": [4, 5, 32, 32]}}  # channel dim 5 contradicts weights
+    with pytest.raises(StageError) as e:
+        engine_from_onnx(tiny_onnx, tmp_path / "e.engine", [bad], "8.6", BUILD, rtx, show_progress=False)
+    assert "[build]" in str(e.value) and "tiny.onnx" in str(e.value)
+
+
+def test_cls_with_a_non_square_profile_builds_after_sanitize(cls_path, tmp_path, rtx):
+    """PP-OCR cls names H and W both '?': without distinct names TensorRT refuses this profile."""
+    from tasks.export import onnx_from_model
+
+    onnx_r = onnx_from_model({"format": "onnx", "source": str(cls_path)}, [], tmp_path / "cls.onnx")
+    prof = {"x": {"min": [1, 3, 48, 96], "opt": [4, 3, 48, 192], "max": [8, 3, 48, 384]}}
+    r = engine_from_onnx(onnx_r.files["onnx"], tmp_path / "cls.engine", [prof], "8.6", BUILD, rtx, show_progress=False)
+    assert r.metrics["engine_bytes"] > 100_000
+
+
+def _supported_gpu():
+    return next((cc for cc in RTX_CC if gpu_for(cc)), None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_supported_gpu() is None, reason=no_gpu_reason("7.5/8.0/8.6/8.9/12.x (a TensorRT-RTX target)"))
+def test_engine_runs_on_the_gpu_and_matches_onnxruntime(tiny_onnx, tmp_path, rtx):
+    from tasks.runtime import EngineRunner, ort_run, ort_session
+
+    cc = _supported_gpu()
+    r = engine_from_onnx(tiny_onnx, tmp_path / "e.engine", [TINY_PROFILE], cc, BUILD, rtx, show_progress=False)
+    runner = EngineRunner(r.files["engine"].read_bytes(), rtx)
+    feed = {"x": np.random.default_rng(0).standard_normal((2, 3, 16, 16)).astype(np.float32)}
+    got = runner.infer(feed)["y"]
+    want = ort_run(ort_session(tiny_onnx), feed)["y"]
+    cos = float(np.dot(got.ravel(), want.ravel()) / np.linalg.norm(got) / np.linalg.norm(want))
+    assert cos > 0.9999
+    assert min(runner.time(feed, 2, 5)) > 0
