@@ -258,9 +258,13 @@ def main() -> int:
         trt_import = time.perf_counter() - t
         raw32 = raw_trt_build(trt, onnx_path)
         print(f"{raw32['parse+build']:.1f}s", flush=True)
-        fp16_onnx = next(iter(sorted((tmp / "cache_fp16" / "build").glob("*/model.fp16.onnx"))), None)
+        # the fp16 graph the build stage converted (one file per TensorRT segment; PP-OCR det is one segment)
+        fp16_files = sorted((tmp / "cache_fp16" / "build").glob("*/*.onnx"))
+        fp16_onnx = fp16_files[0] if len(fp16_files) == 1 else None
         raw16 = None
-        if fp16_onnx is not None:
+        if fp16_onnx is None:
+            print(f"  (no raw fp16 build: expected one converted ONNX in the fp16 build cache, found {len(fp16_files)})")
+        else:
             print("  raw TensorRT-RTX build (the pipeline's fp16 ONNX) ...", end=" ", flush=True)
             raw16 = raw_trt_build(trt, fp16_onnx)
             print(f"{raw16['parse+build']:.1f}s", flush=True)
@@ -324,7 +328,7 @@ def main() -> int:
             rest = ip - r["stage_sum"] - prefect - mlf if ip and prefect is not None and mlf is not None else None
             orows.append([f"{r['label']} ({state} state)", f"{r['wall'] - r['stage_sum']:.2f}",
                           f"{r['wall'] - ip:.2f}" if ip else "-", "-" if prefect is None else f"{prefect:.2f}",
-                          "-" if mlf is None else f"{mlf:.2f}", "-" if rest is None else f"{rest:.2f}"])
+                          "-" if mlf is None else f"{mlf:.2f}", "-" if rest is None else f"{rest:.2f}" + ("*" if rest < 0 else "")])
         print(table(["run", "wall - stages", "process start + imports", "Prefect server", "MLflow import+log",
                      "other"], orows))
         print("process start + imports = subprocess wall - the CLI's own 'ok in' time (interpreter, Prefect/Hydra "
@@ -332,7 +336,10 @@ def main() -> int:
               "Prefect server and MLflow come from the probes below (same state as the run); "
               "other = the rest of the in-flow time outside stages\n"
               "(preflight: ONNX load, profile checks, TensorRT import; "
-              "Prefect task runs; publish) and probe-vs-run noise.\n")
+              "Prefect task runs; publish) and probe-vs-run noise.")
+        if any(r[-1].endswith("*") for r in orows):
+            print("* negative: a probe took longer than the same work inside the run (host load varied between them).")
+        print()
         for state, pr in probes.items():
             if pr:
                 print(f"probe process, {state} PREFECT_HOME and MLflow db:")

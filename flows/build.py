@@ -65,9 +65,11 @@ def publish(ctx: stages.BuildContext) -> dict:
     if ctx.error is not None:
         summary["error"] = ctx.error.render()
     for name, r in ctx.results.items():
-        for key in ("partition", "validation", "benchmark"):
+        for key, fname in (("partition", "partition.json"), ("graph", "partition.png"), ("validation", "validation.json"),
+                           ("benchmark", "benchmark.json"), ("sensitivity", "sensitivity.json"),
+                           ("sensitivity_plot", "sensitivity.png")):
             if key in r.files:
-                (tmp / f"{key}.json").write_bytes(Path(r.files[key]).read_bytes())
+                (tmp / fname).write_bytes(Path(r.files[key]).read_bytes())
     resolved = OmegaConf.to_yaml(cfg)
     (tmp / "config.yaml").write_text(resolved)
     summary["versions"] = versions(ctx)

@@ -103,36 +103,61 @@ def export(ctx: BuildContext) -> StageResult:
 
 
 def partition(ctx: BuildContext) -> StageResult:
+    from tasks.inputs import generated_feeds
     from tasks.partition import plan_from_onnx
 
     onnx_r = ctx.results["export"]
-    parts = {"onnx": file_hash(onnx_r, "onnx"), "partition": ctx.c("partition"), "backend": ctx.backend.version}
-    return ctx.cached("partition", parts, lambda d: plan_from_onnx(onnx_r.files["onnx"], ctx.c("partition"), ctx.backend,
-                                                                   d / "partition.json"))
+    parts = {"onnx": file_hash(onnx_r, "onnx"), "partition": ctx.c("partition"), "backend": ctx.backend.version,
+             "profiles": ctx.facts["profiles"]}
+
+    def work(d: Path) -> StageResult:
+        # min/opt/max inputs per profile: running the native part on them gives the boundary tensors' profiles
+        feeds = [generated_feeds(ctx.facts["inputs"], [p], 0, ctx.cfg.seed) for p in ctx.facts["profiles"]]
+        return plan_from_onnx(onnx_r.files["onnx"], ctx.c("partition"), ctx.backend, d, feeds)
+
+    r = ctx.cached("partition", parts, work)
+    for w in r.details.get("warnings", []):
+        ctx.stages.setdefault("partition", {}).setdefault("warnings", []).append(w)
+    return r
+
+
+def trt_segments(ctx: BuildContext) -> list[dict]:
+    """TensorRT segments with their fp32 ONNX and profiles; a fully supported model is one segment: the whole graph."""
+    plan = ctx.results["partition"]
+    if not plan.details.get("hybrid"):
+        return [{"index": 0, "onnx": ctx.results["export"].files["onnx"], "profiles": ctx.facts["profiles"], "name": ""}]
+    return [{"index": s["index"], "onnx": plan.files[f"segment{s['index']}"], "profiles": s["profiles"],
+             "name": f".sg{s['index']}"} for s in plan.details["segments"] if s["kind"] == "trt"]
 
 
 def build(ctx: BuildContext) -> StageResult:
-    """The baseline engine: fp32 or fp16 graph (int8/fp8 get their quantized engine in calibrate)."""
+    """The baseline engine(s), one per TensorRT segment: fp32 or fp16 graph (int8/fp8: quantized ones in calibrate)."""
     from tasks.build import engine_from_onnx, onnx_at_precision
 
-    onnx_r = ctx.results["export"]
     precision = ctx.cfg.precision.baseline
     t = ctx.cfg.target
-    parts = {"onnx": file_hash(onnx_r, "onnx"), "precision": precision, "profiles": ctx.facts["profiles"],
+    segs = trt_segments(ctx)
+    parts = {"segments": [(sha256_file(s["onnx"]), s["profiles"]) for s in segs], "precision": precision,
              "build": ctx.c("build"), "backend": ctx.backend.version, "compute_capability": t.compute_capability}
 
     def work(d: Path) -> StageResult:
-        conv = onnx_at_precision(onnx_r.files["onnx"], precision, d / f"model.{precision}.onnx")
-        eng = engine_from_onnx(conv.files["onnx"], d / f"{ctx.cfg.model.name}.{t.name}.{precision}.engine",
-                               ctx.facts["profiles"], t.compute_capability, ctx.c("build"), ctx.backend,
-                               show_progress=ctx.show_progress)
-        return StageResult(files={"onnx": conv.files["onnx"], "engine": eng.files["engine"]},
-                           metrics={**conv.metrics, **eng.metrics},
-                           details={**eng.details, "conversion": conv.details, "precision": precision})
+        files, metrics, details = {}, {"build_seconds": 0.0, "engine_bytes": 0, "convert_seconds": 0.0}, {"engines": []}
+        for s in segs:
+            stem = f"{ctx.cfg.model.name}.{t.name}.{precision}{s['name']}"
+            conv = onnx_at_precision(s["onnx"], precision, d / f"{stem}.onnx")
+            eng = engine_from_onnx(conv.files["onnx"], d / f"{stem}.engine", s["profiles"], t.compute_capability,
+                                   ctx.c("build"), ctx.backend, show_progress=ctx.show_progress)
+            files[f"onnx{s['index']}"], files[f"engine{s['index']}"] = conv.files["onnx"], eng.files["engine"]
+            metrics["build_seconds"] += eng.metrics["build_seconds"]
+            metrics["engine_bytes"] += eng.metrics["engine_bytes"]
+            metrics["convert_seconds"] += conv.metrics.get("convert_seconds", 0.0)
+            details["engines"].append({"segment": s["index"], "engine": eng.files["engine"].name,
+                                       "onnx": conv.files["onnx"].name, "sha256": eng.details["sha256"]})
+            details.update(backend=eng.details["backend"], compute_capability=t.compute_capability, precision=precision)
+            details.setdefault("conversion", []).append(conv.details)
+        return StageResult(files=files, metrics=metrics, details=details)
 
-    r = ctx.cached("build", parts, work)
-    ctx.metrics["engine_bytes"] = r.metrics["engine_bytes"]
-    return r
+    return ctx.cached("build", parts, work)
 
 
 def calibrate(ctx: BuildContext) -> StageResult | None:
@@ -158,12 +183,39 @@ def _feeds(ctx: BuildContext, purpose: str) -> tuple[list, str, dict]:
     return feeds, src, {"recipe": recipe, "samples": v.samples, "seed": v.seed, "multiple": ctx.c("model.shape_multiple")}
 
 
-def _engine_for(ctx: BuildContext) -> tuple[StageResult, str]:
-    """The deliverable engine: the quantized one when calibrate made it, else the baseline."""
+def deliverable(ctx: BuildContext) -> StageResult:
+    """The stage whose engines ship: calibrate's quantized engines when it made them, else build's."""
     cal = ctx.results.get("calibrate")
-    if cal is not None and "engine" in cal.files:
-        return cal, "calibrate"
-    return ctx.results["build"], "build"
+    return cal if cal is not None and any(k.startswith("engine") for k in cal.files) else ctx.results["build"]
+
+
+def engines_of(r: StageResult) -> list[tuple[int, Path, Path]]:
+    """(segment index, engine file, precision ONNX file) in segment order."""
+    return [(e["segment"], r.files[f"engine{e['segment']}"], r.files[f"onnx{e['segment']}"]) for e in r.details["engines"]]
+
+
+def candidate_runner(ctx: BuildContext, use_engines: bool):
+    """The model as it will run: the precision graph (or the engine, on a GPU) per TensorRT segment, and for a hybrid
+    model the native segments in ONNX Runtime between them."""
+    from tasks.runtime import EngineRunner
+    from tasks.segments import Composed, ort_runner
+
+    r = deliverable(ctx)
+    by_segment = {i: (eng, onnx) for i, eng, onnx in engines_of(r)}
+
+    def runner_for(seg: dict):
+        if seg["kind"] == "trt":
+            eng, onnx = by_segment[seg["index"]]
+            if use_engines:
+                return EngineRunner(Path(eng).read_bytes(), ctx.backend).infer
+            return ort_runner(onnx)
+        return ort_runner(ctx.results["partition"].files[f"segment{seg['index']}"])
+
+    plan = ctx.results["partition"].details
+    if plan.get("hybrid"):
+        outputs = [o["name"] for o in ctx.results["export"].details["outputs"]]
+        return Composed(plan["segments"], outputs, runner_for)
+    return runner_for({"kind": "trt", "index": 0})
 
 
 def validate(ctx: BuildContext) -> StageResult:
@@ -172,28 +224,27 @@ def validate(ctx: BuildContext) -> StageResult:
     if not ctx.cfg.stages.validate:
         raise Skip("disabled (stages.validate=false)")
     ref = ctx.results["export"]
-    cand, _ = _engine_for(ctx)
+    cand = deliverable(ctx)
     cc = ctx.cfg.target.compute_capability
     gpu = trt_backend.gpu_for(cc)
     engine_reason = None if (gpu and ctx.cfg.validation.engine) else (
         "disabled (validation.engine=false)" if not ctx.cfg.validation.engine else trt_backend.no_gpu_reason(cc))
     feeds, source, feed_key = _feeds(ctx, "validate")
-    parts = {"reference": file_hash(ref, "onnx"), "candidate": sha256_file(cand.files["onnx"]), "feeds": feed_key,
-             "min_cosine": ctx.cfg.accuracy.min_cosine, "engine": sha256_file(cand.files["engine"]) if gpu else None}
+    parts = {"reference": file_hash(ref, "onnx"), "candidate": [sha256_file(o) for _, _, o in engines_of(cand)],
+             "plan": sha256_file(ctx.results["partition"].files["partition"]), "feeds": feed_key,
+             "min_cosine": ctx.cfg.accuracy.min_cosine,
+             "engines": [sha256_file(e) for _, e, _ in engines_of(cand)] if engine_reason is None else None}
 
     def work(d: Path) -> StageResult:
         engine_outputs = None
         if engine_reason is None:
-            from tasks.runtime import EngineRunner
-            runner = EngineRunner(Path(cand.files["engine"]).read_bytes(), ctx.backend)
-            engine_outputs = [runner.infer(f) for f in feeds]
-        return validate_onnx(ref.files["onnx"], cand.files["onnx"], feeds, ctx.cfg.accuracy.min_cosine, source,
-                             d / "validation.json", engine_outputs=engine_outputs, engine_skip_reason=engine_reason)
+            run_engine = candidate_runner(ctx, use_engines=True)
+            engine_outputs = [run_engine(f) for f in feeds]
+        return validate_onnx(ref.files["onnx"], candidate_runner(ctx, use_engines=False), feeds,
+                             ctx.cfg.accuracy.min_cosine, source, d / "validation.json", engine_outputs=engine_outputs,
+                             engine_skip_reason=engine_reason, label=f"{ctx.cfg.model.name} at {ctx.cfg.precision.name}")
 
-    try:
-        r = ctx.cached("validate", parts, work)
-    except TrtforgeError:
-        raise
+    r = ctx.cached("validate", parts, work)
     if not r.details.get("passed", True):  # a cached failing verdict fails again
         from tasks.errors import AccuracyError
         e = AccuracyError(f"cosine {r.metrics['cosine_min']:.6f} is below accuracy.min_cosine={ctx.cfg.accuracy.min_cosine}",
@@ -210,7 +261,7 @@ def benchmark(ctx: BuildContext) -> StageResult:
     if not ctx.cfg.stages.benchmark:
         raise Skip("disabled (stages.benchmark=false)")
     ref = ctx.results["export"]
-    eng_r, _ = _engine_for(ctx)
+    eng_r = deliverable(ctx)
     cc = ctx.cfg.target.compute_capability
     opt = {n: {"min": r["opt"], "opt": r["opt"], "max": r["opt"]} for n, r in ctx.facts["profiles"][0].items()}
     feed = generated_feeds(ctx.facts["inputs"], [opt], 0, ctx.cfg.seed, recipe=ctx.c("model.images"))[0]
@@ -218,7 +269,8 @@ def benchmark(ctx: BuildContext) -> StageResult:
     build_metrics = {"build_seconds": ctx.results["build"].metrics.get("build_seconds"),
                      "engine_bytes": eng_r.metrics.get("engine_bytes")}
     parts = {"onnx": file_hash(ref, "onnx"), "bench": ctx.c("benchmark"), "host": host_info(),
-             "shape": {n: list(a.shape) for n, a in feed.items()}, "engine": sha256_file(eng_r.files["engine"]) if gpu else None}
+             "shape": {n: list(a.shape) for n, a in feed.items()},
+             "engines": [sha256_file(e) for _, e, _ in engines_of(eng_r)] if gpu else None}
 
     def work(d: Path) -> StageResult:
         timing = None
@@ -228,12 +280,26 @@ def benchmark(ctx: BuildContext) -> StageResult:
             from tasks.benchmark import latency_stats
             from tasks.runtime import EngineRunner
             b = ctx.cfg.benchmark
-            runner = EngineRunner(Path(eng_r.files["engine"]).read_bytes(), ctx.backend)
             times, med = [], []
-            for _ in range(b.repeats):
-                rep = runner.time(feed, b.warmup, b.iterations)
-                times += rep
-                med.append(float(np.median(rep)))
+            if not ctx.results["partition"].details.get("hybrid"):
+                runner = EngineRunner(Path(engines_of(eng_r)[0][1]).read_bytes(), ctx.backend)
+                for _ in range(b.repeats):
+                    rep = runner.time(feed, b.warmup, b.iterations)
+                    times += rep
+                    med.append(float(np.median(rep)))
+            else:  # hybrid: time the composed model end to end (engines + native segments + copies)
+                import time as _t
+                composed = candidate_runner(ctx, use_engines=True)
+                for _ in range(b.warmup):
+                    composed(feed)
+                for _ in range(b.repeats):
+                    rep = []
+                    for _ in range(b.iterations):
+                        t0 = _t.perf_counter()
+                        composed(feed)
+                        rep.append((_t.perf_counter() - t0) * 1e3)
+                    times += rep
+                    med.append(float(np.median(rep)))
             timing = {"runtime": f"{ctx.backend.version} on {gpu.name}",
                       **latency_stats(times, med, int(next(iter(feed.values())).shape[0]))}
         return benchmark_model(ref.files["onnx"], feed, ctx.c("benchmark"), d / "benchmark.json", build_metrics, timing,
@@ -243,12 +309,13 @@ def benchmark(ctx: BuildContext) -> StageResult:
 
 
 def publish_engines(ctx: BuildContext, out: Path) -> list[dict]:
-    """Copy (hard-link when possible) the deliverable engine(s) into the output folder."""
-    eng_r, _ = _engine_for(ctx)
-    src = Path(eng_r.files["engine"])
-    dst = out / src.name
-    try:
-        dst.hardlink_to(src)
-    except OSError:
-        shutil.copy2(src, dst)
-    return [{"file": dst.name, "sha256": sha256_file(dst), "bytes": dst.stat().st_size}]
+    """Copy (hard-link when possible) the deliverable engine(s), one per TensorRT segment, into the output folder."""
+    result = []
+    for _, src, _ in engines_of(deliverable(ctx)):
+        dst = out / Path(src).name
+        try:
+            dst.hardlink_to(src)
+        except OSError:
+            shutil.copy2(src, dst)
+        result.append({"file": dst.name, "sha256": sha256_file(dst), "bytes": dst.stat().st_size})
+    return result

@@ -138,6 +138,19 @@ class Backend:
                                   "reason": err.desc()})
         return report
 
+    def parse_errors(self, model_bytes: bytes, model_path: str = "") -> list[dict]:
+        """A full parse (what the builder will see); [] when it parses, else the parser's errors."""
+        trt = self.trt
+        logger = _Logger(trt)
+        builder = trt.Builder(logger)
+        network = builder.create_network(0)
+        parser = trt.OnnxParser(network, logger)
+        if parser.parse(model_bytes, model_path):
+            return []
+        errs = [parser.get_error(i) for i in range(parser.num_errors)]
+        return [{"node": int(e.node()), "name": e.node_name(), "op": e.node_operator(), "reason": e.desc()} for e in errs] \
+            or [{"node": -1, "name": "", "op": "", "reason": "; ".join(logger.errors()) or "parse failed"}]
+
     def build_engine(self, model_path: str, profiles: list[dict], compute_capability: str, *,
                      optimization_level: int = 3, workspace_mib: int | None = None,
                      progress: Any = None, stage: str = "build") -> bytes:

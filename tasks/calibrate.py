@@ -42,7 +42,9 @@ ENTROPY_QUANT_BINS = 128  # int8: 2 * 64 levels each side of zero in the real-va
 ENTROPY_CANDIDATES = 192  # thresholds tried per tensor (ORT tries every bin: ~1000)
 PERCENTILE = 99.999
 GREEDY_TRIES = 6  # layers tried one by one after the binary-searched prefix
-EXTRA_OPTIONS = {"ActivationSymmetric": True, "WeightSymmetric": True, "QuantizeBias": False}
+# DedicatedQDQPair: other consumers of a quantized tensor (Add, Resize, ...) keep reading the float tensor
+EXTRA_OPTIONS = {"ActivationSymmetric": True, "WeightSymmetric": True, "QuantizeBias": False, "DedicatedQDQPair": True,
+                 "OpTypesToExcludeOutputQuantization": list(QUANT_OPS)}  # Q/DQ on the op inputs only
 
 
 # ---------------------------------------------------------------- public API
@@ -371,14 +373,14 @@ class _Quantizer:
             return m
         qz = QDQQuantizer(m, True, False, self.qtype, self.qtype, self.ranges, list(names), [], list(QUANT_OPS),
                           dict(EXTRA_OPTIONS))
-        return qz.quantize_model()
+        return _float_for_other_consumers(qz.quantize_model())
 
     def cosine(self, names: list[str], feeds, ref) -> float:
         if self.run_error is not None:
             return math.nan
         data = self.model(names).SerializeToString()
         try:
-            sess = _session(data, None, raise_as=None)
+            sess = _session(data, None, raise_as=None, basic=self.precision == "fp8")
             return min(_cosine(_run(sess, f), r) for f, r in zip(feeds, ref))
         except Exception as e:  # noqa: BLE001 - fp8 Q/DQ may not run on ORT CPU: reported, not hidden
             if self.precision == "int8":
@@ -396,11 +398,49 @@ class _Quantizer:
         tmp.replace(path)
 
 
-def _session(data: bytes, path: Path | None, raise_as=StageError):
+def _float_for_other_consumers(model):
+    """ORT's quantizer can route a shared activation's other consumers (e.g. Resize) through the DQ even with
+    DedicatedQDQPair: point them back to the float tensor so Q/DQ feeds only Conv/MatMul/Gemm."""
+    g = model.graph
+    q_src = {n.output[0]: n.input[0] for n in g.node if n.op_type == "QuantizeLinear"}
+    dq_src = {n.output[0]: q_src[n.input[0]] for n in g.node
+              if n.op_type == "DequantizeLinear" and n.input[0] in q_src}
+    for n in g.node:
+        if n.op_type in QUANT_OPS or n.op_type in ("QuantizeLinear", "DequantizeLinear"):
+            continue
+        for i, name in enumerate(n.input):
+            if name in dq_src:
+                n.input[i] = dq_src[name]
+    _positive_scales(g)
+    while True:  # drop Q/DQ nodes left without consumers
+        used = {i for n in g.node for i in n.input} | {o.name for o in g.output}
+        dead = [n for n in g.node if n.op_type in ("QuantizeLinear", "DequantizeLinear") and n.output[0] not in used]
+        if not dead:
+            return model
+        for n in dead:
+            g.node.remove(n)
+
+
+def _positive_scales(g) -> None:
+    """All-zero weight channels (or all-zero activations) get scale 0 from ORT's fp8 path; TensorRT's parser
+    rejects non-positive scales. Any positive scale represents zeros exactly, so use 1."""
+    from onnx import numpy_helper
+
+    scales = {n.input[1] for n in g.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")}
+    for i, t in enumerate(g.initializer):
+        if t.name in scales:
+            a = numpy_helper.to_array(t)
+            if a.dtype.kind == "f" and (a <= 0).any():
+                g.initializer[i].CopyFrom(numpy_helper.from_array(np.where(a > 0, a, 1).astype(a.dtype), t.name))
+
+
+def _session(data: bytes, path: Path | None, raise_as=StageError, basic: bool = False):
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.log_severity_level = 4
+    if basic:  # ORT's full optimisation fuses Q/DQ into QLinearConv, which has no float8 kernel
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     try:
         return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
     except Exception as e:

@@ -1,54 +1,215 @@
-"""Stage 2, partition: which parts of the graph TensorRT can take (the parser's own verdict per node)."""
+"""Stage 2, partition: TensorRT where it can, native ONNX Runtime elsewhere (Paddle Inference's subgraph rule).
+
+The TensorRT ONNX parser gives its verdict per node (`supports_model_v2`); supported subgraphs smaller than
+`partition.min_subgraph_size` and ops in `partition.exclude_ops` stay native; `partition.strict` fails instead of
+falling back. A fully supported model is one segment: the whole graph, one engine.
+"""
 from __future__ import annotations
 
 import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .backend import Backend
 from .errors import StageError
+from .segments import Segment, boundary_profiles, extract_segment, segments_from_assignment
 from .util import StageResult, write_json
 
+FRAGMENTED = 4  # more TensorRT segments than this: boundaries likely cost more than TensorRT saves
 
-def plan_from_onnx(onnx_path: Path, partition_cfg: Any, backend: Backend, out_path: Path) -> StageResult:
-    """Ask the TensorRT ONNX parser for supported subgraphs; write the partition report (JSON)."""
+
+def plan_from_onnx(onnx_path: Path, partition_cfg: Any, backend: Backend, out_dir: Path,
+                   profile_feeds: list[list[dict[str, np.ndarray]]]) -> StageResult:
+    """Write partition.json, graph.png and, for a hybrid model, one fp32 ONNX per segment.
+
+    profile_feeds: per model profile, feeds at its [min, opt, max] shapes (to propagate shapes to boundaries).
+    """
     import onnx
 
     t0 = time.perf_counter()
-    model = onnx.load(str(onnx_path), load_external_data=False)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model = onnx.load(str(onnx_path))
     nodes = model.graph.node
-    report = backend.support_report(Path(onnx_path).read_bytes(), str(onnx_path))
-    exclude = set(partition_cfg["exclude_ops"] or [])
-    excluded = [i for i, n in enumerate(nodes) if n.op_type in exclude]
-    trt_subgraphs = [sg["nodes"] for sg in report.subgraphs if sg["supported"]]
-    covered = {i for sg in trt_subgraphs for i in sg}
-    fallback = sorted(set(range(len(nodes))) - covered | set(excluded))
+    with_parser = backend.support_report(Path(onnx_path).read_bytes(), str(onnx_path))
     reasons: dict[int, str] = {}
-    for e in report.errors:
+    for e in with_parser.errors:
         if 0 <= e["node"] < len(nodes):
-            reasons.setdefault(e["node"], e["reason"])
-    for i in excluded:
-        reasons.setdefault(i, "excluded by partition.exclude_ops")
+            reasons.setdefault(e["node"], e["reason"] or "not supported by the TensorRT ONNX parser")
+    exclude = set(partition_cfg["exclude_ops"] or [])
+    trt_nodes: set[int] = set()
+    small: list[int] = []
+    supported = [sg["nodes"] for sg in with_parser.subgraphs if sg["supported"]]
+    unsupported = [sg["nodes"] for sg in with_parser.subgraphs if not sg["supported"]]
+    if unsupported:  # the parser's subgraphs are coarse: narrow each failing one down to the nodes that fail
+        shapes = tensor_shapes(model, [f for feeds in profile_feeds for f in feeds[:2]])
+        for sg in unsupported:
+            supported += refine(model, sg, backend, shapes, reasons)
+    for sg in supported:
+        keep = [i for i in sg if nodes[i].op_type not in exclude]
+        trt_nodes.update(keep)
+    for i in range(len(nodes)):
+        if nodes[i].op_type in exclude:
+            reasons[i] = f"excluded by partition.exclude_ops ({nodes[i].op_type})"
+        elif i not in trt_nodes:
+            reasons.setdefault(i, "outside every subgraph the TensorRT parser supports")
+    segments = segments_from_assignment(model, trt_nodes)
+    hybrid = any(s.kind == "native" for s in segments)
+    if hybrid:  # Paddle's min_subgraph_size: small TensorRT islands stay native
+        min_size = int(partition_cfg["min_subgraph_size"])
+        for s in segments:
+            if s.kind == "trt" and len(s.nodes) < min_size:
+                small += s.nodes
+                for i in s.nodes:
+                    reasons[i] = f"in a TensorRT subgraph of {len(s.nodes)} nodes < partition.min_subgraph_size={min_size}"
+        if small:
+            trt_nodes -= set(small)
+            segments = segments_from_assignment(model, trt_nodes)
+    fallback = [i for i in range(len(nodes)) if i not in trt_nodes]
     fallback_nodes = [{"index": i, "name": nodes[i].name, "op": nodes[i].op_type,
-                       "reason": reasons.get(i, "outside every TensorRT-supported subgraph"),
-                       "inputs": list(nodes[i].input), "outputs": list(nodes[i].output)} for i in fallback]
-    plan = {
-        "nodes": len(nodes),
-        "fully_supported": report.fully_supported and not fallback,
-        "subgraphs": [{"nodes": len(sg), "first": nodes[sg[0]].name if sg else None, "last": nodes[sg[-1]].name if sg else None}
-                      for sg in trt_subgraphs],
-        "fallback_nodes": fallback_nodes,
-        "parser_errors": report.errors,
-    }
-    write_json(out_path, plan)
-    metrics = {"trt_subgraphs": len(trt_subgraphs) if fallback else 1, "fallback_nodes": len(fallback),
-               "partition_seconds": time.perf_counter() - t0}
-    if fallback:
-        shown = "; ".join(f"{f['name'] or '#' + str(f['index'])} ({f['op']}): {f['reason']}" for f in fallback_nodes[:5])
-        more = f" and {len(fallback) - 5} more" if len(fallback) > 5 else ""
-        raise StageError(
-            f"{len(fallback)} of {len(nodes)} nodes cannot run in TensorRT: {shown}{more}",
-            stage="partition", file=str(onnx_path),
-            fix="replace the unsupported ops in the model (hybrid TensorRT + ONNX Runtime execution is not built yet); "
-                f"the full report is in {out_path.name}")
-    return StageResult(files={"partition": out_path}, metrics=metrics, details=plan)
+                       "domain": nodes[i].domain or "ai.onnx", "reason": reasons.get(i, ""),
+                       "inputs": [x for x in nodes[i].input if x], "outputs": list(nodes[i].output)} for i in fallback]
+    trt_segments = [s for s in segments if s.kind == "trt"]
+    files: dict[str, Path] = {}
+    plan: dict[str, Any] = {"nodes": len(nodes), "hybrid": hybrid, "fallback_nodes": fallback_nodes,
+                            "parser_errors": with_parser.errors, "warnings": []}
+
+    def report_and_fail(msg: str, fix: str) -> None:
+        plan["segments"] = [s.as_dict() for s in segments]
+        write_json(out_dir / "partition.json", plan)
+        shown = "; ".join(f"{f['name'] or '#' + str(f['index'])} ({f['op']}): {f['reason']}" for f in fallback_nodes[:4])
+        raise StageError(f"{msg}: {shown}" + (f" and {len(fallback) - 4} more" if len(fallback) > 4 else ""),
+                         stage="partition", file=str(onnx_path), fix=fix)
+
+    if not trt_segments:
+        report_and_fail(f"TensorRT can take none of the {len(nodes)} nodes",
+                        "run this model with ONNX Runtime, or replace its unsupported ops")
+    if fallback and partition_cfg["strict"]:
+        report_and_fail(f"partition.strict=true and {len(fallback)} of {len(nodes)} nodes would fall back to ONNX Runtime",
+                        "set partition.strict=false to run them natively, or replace those ops")
+    if hybrid:
+        try:
+            shapes = [boundary_profiles(segments, feeds, model) for feeds in profile_feeds]
+        except Exception as e:
+            native = sorted({f"{f['op']} ({f['domain']})" for f in fallback_nodes})
+            raise StageError(f"the fallback nodes cannot run in ONNX Runtime either ({native}): {str(e).splitlines()[0][:300]}",
+                             stage="partition", file=str(onnx_path),
+                             fix="register the custom op's ONNX Runtime library, or replace the op") from None
+        for s in segments:
+            s.onnx = f"segment{s.index}.{s.kind}.onnx"
+            extract_segment(model, s, shapes[0], out_dir / s.onnx)
+            files[f"segment{s.index}"] = out_dir / s.onnx
+            if s.kind == "trt":
+                s.profiles = [{n: {k: sh[n][k] for k in ("min", "opt", "max")} for n in s.inputs} for sh in shapes]
+        boundaries = sum(len(s.inputs) for s in segments[1:])
+        plan["boundary_tensors"] = boundaries
+        if len(trt_segments) > FRAGMENTED:
+            plan["warnings"].append(
+                f"fragmented: {len(trt_segments)} TensorRT subgraphs and {boundaries} boundary tensors; each boundary is a "
+                "copy and a sync, so this can be slower than running natively (raise partition.min_subgraph_size or "
+                "replace the unsupported ops)")
+    plan["segments"] = [s.as_dict() for s in segments]
+    write_json(out_dir / "partition.json", plan)
+    files["partition"] = out_dir / "partition.json"
+    try:
+        files["graph"] = draw_partition(model, segments, out_dir / "partition.png")
+    except Exception as e:  # a picture is a nicety
+        plan["warnings"].append(f"no graph picture: {e}")
+    metrics = {"trt_subgraphs": len(trt_segments), "fallback_nodes": len(fallback),
+               "trt_nodes": len(trt_nodes), "partition_seconds": time.perf_counter() - t0}
+    return StageResult(files=files, metrics=metrics, details=plan)
+
+
+def tensor_shapes(model, feeds: list[dict[str, np.ndarray]]) -> dict[str, dict]:
+    """dtype and shape range of every tensor, from running the fp32 model (native ops included) in ONNX Runtime."""
+    from .segments import run_with_intermediates
+
+    names = [o for n in model.graph.node for o in n.output if o] + [i.name for i in model.graph.input]
+    try:
+        runs = run_with_intermediates(model, names, feeds)
+    except Exception as e:
+        raise StageError(f"ONNX Runtime cannot run the model to find its tensor shapes: {str(e).splitlines()[0][:300]}",
+                         stage="partition", fix="nodes TensorRT cannot take must run in ONNX Runtime; register custom "
+                         "ops or replace them") from None
+    out = {}
+    for name in runs[0]:
+        shapes = [list(r[name].shape) for r in runs if name in r]
+        if len({len(s) for s in shapes}) != 1:
+            continue
+        out[name] = {"min": [min(d) for d in zip(*shapes)], "opt": shapes[-1], "max": [max(d) for d in zip(*shapes)],
+                     "dtype": str(runs[0][name].dtype)}
+    return out
+
+
+def refine(model, node_ids: list[int], backend: Backend, shapes: dict[str, dict], reasons: dict[int, str],
+           depth: int = 0) -> list[list[int]]:
+    """Split a node run that does not parse into runs that do (as ONNX Runtime's TensorRT provider does): parse the
+    run alone; at the node the parser rejects, cut, record its reason, and recurse on both sides."""
+    from .segments import io_of, submodel
+
+    if not node_ids:
+        return []
+    ins, outs = io_of(model, node_ids)
+    if any(n not in shapes for n in ins + outs) or depth > 200:
+        for i in node_ids:
+            reasons.setdefault(i, "could not be checked alone (no shape for its boundary tensors)")
+        return []
+    sub = submodel(model, node_ids, ins, outs, shapes, "check")
+    errors = backend.parse_errors(sub.SerializeToString())
+    if not errors:
+        return [node_ids]
+    k = errors[0]["node"]
+    if not 0 <= k < len(node_ids):
+        for i in node_ids:
+            reasons.setdefault(i, errors[0]["reason"])
+        return []
+    reasons[node_ids[k]] = errors[0]["reason"] or "rejected by the TensorRT ONNX parser"
+    return refine(model, node_ids[:k], backend, shapes, reasons, depth + 1) + \
+        refine(model, node_ids[k + 1:], backend, shapes, reasons, depth + 1)
+
+
+def draw_partition(model, segments: list[Segment], path: Path) -> Path:
+    """The graph laid out by depth, TensorRT islands in greens/blues, native nodes in red."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    g = model.graph
+    producer = {o: i for i, n in enumerate(g.node) for o in n.output}
+    depth = [0] * len(g.node)
+    for i, n in enumerate(g.node):
+        depth[i] = 1 + max((depth[producer[x]] for x in n.input if x in producer), default=-1)
+    seg_of = {i: s for s in segments for i in s.nodes}
+    rows: dict[int, int] = {}
+    pos = []
+    for i in range(len(g.node)):
+        r = rows.get(depth[i], 0)
+        rows[depth[i]] = r + 1
+        pos.append((depth[i], r))
+    width = max(6.0, min(40.0, (max(depth, default=0) + 1) * 0.12))
+    height = max(3.0, min(20.0, max(rows.values(), default=1) * 0.4 + 1.5))
+    fig, ax = plt.subplots(figsize=(width, height))
+    palette = ["#2e7d32", "#1565c0", "#00838f", "#558b2f", "#283593"]
+    for i, n in enumerate(g.node):
+        for x in n.input:
+            if x in producer:
+                a, b = pos[producer[x]], pos[i]
+                ax.plot([a[0], b[0]], [a[1], b[1]], color="#bbbbbb", lw=0.4, zorder=1)
+    trt_ids = [s.index for s in segments if s.kind == "trt"]
+    for i, (x, y) in enumerate(pos):
+        s = seg_of[i]
+        color = "#c62828" if s.kind == "native" else palette[trt_ids.index(s.index) % len(palette)]
+        ax.scatter([x], [y], s=18 if s.kind == "trt" else 40, color=color, zorder=2,
+                   marker="o" if s.kind == "trt" else "s")
+        if s.kind == "native":
+            ax.annotate(g.node[i].op_type, (x, y), textcoords="offset points", xytext=(3, 4), fontsize=7, color=color)
+    ax.set_title(f"partition: {len(trt_ids)} TensorRT subgraph(s) (green/blue), "
+                 f"{sum(len(s.nodes) for s in segments if s.kind == 'native')} native node(s) (red)")
+    ax.set_xlabel("depth (topological)")
+    ax.set_yticks([])
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -68,14 +69,21 @@ def summarize(per_feed: list[dict[str, dict]]) -> dict[str, dict]:
     return worst
 
 
-def validate_onnx(reference: Path, candidate: Path, feeds: list[dict[str, np.ndarray]], min_cosine: float,
+def validate_onnx(reference: Path, candidate: Path | Callable, feeds: list[dict[str, np.ndarray]], min_cosine: float,
                   inputs_source: str, out_path: Path, engine_outputs: list[dict[str, np.ndarray]] | None = None,
-                  engine_skip_reason: str | None = None) -> StageResult:
-    """Compare candidate to reference in ONNX Runtime on every feed; gate on min_cosine; write a JSON report."""
+                  engine_skip_reason: str | None = None, label: str | None = None) -> StageResult:
+    """Compare candidate (an ONNX file, or a callable such as a composed hybrid model) to the fp32 reference in
+    ONNX Runtime on every feed; gate on min_cosine; write a JSON report."""
     t0 = time.perf_counter()
-    ref_sess, cand_sess = ort_session(reference), ort_session(candidate)
+    ref_sess = ort_session(reference)
+    if callable(candidate):
+        run_candidate = candidate
+    else:
+        cand_sess = ort_session(candidate)
+        def run_candidate(f):
+            return ort_run(cand_sess, f)
     refs = [ort_run(ref_sess, f) for f in feeds]
-    per_feed = [compare(r, ort_run(cand_sess, f)) for r, f in zip(refs, feeds)]
+    per_feed = [compare(r, run_candidate(f)) for r, f in zip(refs, feeds)]
     worst = summarize(per_feed)
     cosine_min = min(m["cosine"] for m in worst.values())
     warnings = []
@@ -109,7 +117,7 @@ def validate_onnx(reference: Path, candidate: Path, feeds: list[dict[str, np.nda
         worst_name = min(worst, key=lambda n: worst[n]["cosine"])
         err = AccuracyError(
             f"output {worst_name!r} has cosine {cosine_min:.6f} to fp32, below accuracy.min_cosine={min_cosine}",
-            stage="validate", file=str(candidate),
+            stage="validate", file=label or (None if callable(candidate) else str(candidate)),
             fix="use a higher precision, or lower accuracy.min_cosine if that loss is acceptable")
         err.result = result
         raise err

@@ -99,3 +99,40 @@ def prefect_harness():
 
     with prefect_test_harness(server_startup_timeout=90):
         yield
+
+
+def make_hybrid_model(path: Path, contrib_ops=("FastGelu", "QuickGelu"), channels: int = 8) -> Path:
+    """Conv blocks (Conv3x3 -> Relu -> Conv1x1) separated by ONNX Runtime contrib ops (com.microsoft) that the
+    TensorRT parser cannot take: the shape of model that needs hybrid execution."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(1)
+    inits, nodes = [], []
+    cur, cin = "x", 3
+    for b in range(len(contrib_ops) + 1):
+        w1 = numpy_helper.from_array((rng.standard_normal((channels, cin, 3, 3)) * 0.3).astype(np.float32), f"b{b}_w1")
+        w2 = numpy_helper.from_array((rng.standard_normal((channels, channels, 1, 1)) * 0.3).astype(np.float32), f"b{b}_w2")
+        inits += [w1, w2]
+        nodes += [helper.make_node("Conv", [cur, w1.name], [f"b{b}_c1"], pads=[1, 1, 1, 1], name=f"b{b}_conv3x3"),
+                  helper.make_node("Relu", [f"b{b}_c1"], [f"b{b}_r"], name=f"b{b}_relu"),
+                  helper.make_node("Conv", [f"b{b}_r", w2.name], [f"b{b}_out"], name=f"b{b}_conv1x1")]
+        cur, cin = f"b{b}_out", channels
+        if b < len(contrib_ops):
+            op = contrib_ops[b]
+            nodes.append(helper.make_node(op, [cur], [f"{op}_{b}"], domain="com.microsoft", name=f"contrib_{op}_{b}"))
+            cur = f"{op}_{b}"
+    nodes.append(helper.make_node("Identity", [cur], ["y"], name="out"))
+    graph = helper.make_graph(nodes, "hybrid",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, "height", "width"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", channels, "height", "width"])],
+                              initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def hybrid_onnx(session_tmp) -> Path:
+    return make_hybrid_model(session_tmp / "hybrid.onnx")

