@@ -155,6 +155,8 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> dict[str, Any]:
     cal = cfg.calibration
     if cal.method not in ("entropy", "minmax", "percentile"):
         raise ConfigError(f"calibration.method={cal.method!r} is unknown", fix="use entropy, minmax or percentile")
+    if not 0.0 <= cal.budget_margin < 1.0:
+        raise ConfigError(f"calibration.budget_margin={cal.budget_margin} is outside [0, 1)", fix="e.g. 0.25")
     if cal.samples < 1:
         raise ConfigError(f"calibration.samples={cal.samples} must be at least 1", fix="e.g. calibration.samples=32")
     if p.quantized and not cal.data and m.images is None:

@@ -42,13 +42,17 @@ class BuildContext:
         return OmegaConf.to_container(OmegaConf.select(self.cfg, key), resolve=True) \
             if OmegaConf.is_config(OmegaConf.select(self.cfg, key)) else OmegaConf.select(self.cfg, key)
 
-    def cached(self, stage: str, parts: dict, fn: Callable[[Path], StageResult]) -> StageResult:
-        key = self.cache.key(stage, {"trtforge": TRTFORGE_VERSION, **parts})
-        hit = self.cache.get(stage, key)
+    def cached(self, stage: str, parts: dict, fn: Callable[[Path], StageResult], entry: str | None = None) -> StageResult:
+        """Serve a stage's output from the content-addressed cache, or compute and publish it. A stage whose every
+        lookup hit reports `cached`. `entry` names the cache folder when a stage keeps several (calibrate)."""
+        entry = entry or stage
+        key = self.cache.key(entry, {"trtforge": TRTFORGE_VERSION, **parts})
+        hit = self.cache.get(entry, key)
+        hits = self.stages.setdefault(stage, {}).setdefault("_hits", [])
+        hits.append(hit is not None)
         if hit is not None:
-            self.stages.setdefault(stage, {})["status"] = "cached"
             return hit
-        return self.cache.run(stage, key, fn)
+        return self.cache.run(entry, key, fn)
 
     def run(self, name: str, fn: Callable[["BuildContext"], StageResult | None]) -> StageResult | None:
         """Run one stage: ok / cached / skipped (with reason) / failed; after a failure the rest are skipped."""
@@ -59,7 +63,10 @@ class BuildContext:
         else:
             try:
                 result = fn(self)
-                entry.setdefault("status", "ok")
+                hits = entry.get("_hits")
+                entry.setdefault("status", "cached" if hits and all(hits) else "ok")
+                if hits and any(hits) and not all(hits):
+                    entry["reason"] = f"partly from the cache ({sum(hits)} of {len(hits)} outputs)"
                 if result is not None:
                     self.results[name] = result
                     self.metrics.update({k: v for k, v in result.metrics.items()})
@@ -76,6 +83,7 @@ class BuildContext:
                 entry.update(status="failed", reason=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:])
                 self.failed, self.error = name, TrtforgeError(f"{type(e).__name__}: {e}", stage=name)
             entry["seconds"] = round(time.perf_counter() - t0, 3)
+        entry.pop("_hits", None)
         if self.on_stage:
             self.on_stage(name, entry)
         return self.results.get(name)
@@ -112,7 +120,8 @@ def partition(ctx: BuildContext) -> StageResult:
 
     def work(d: Path) -> StageResult:
         # min/opt/max inputs per profile: running the native part on them gives the boundary tensors' profiles
-        feeds = [generated_feeds(ctx.facts["inputs"], [p], 0, ctx.cfg.seed) for p in ctx.facts["profiles"]]
+        def feeds():
+            return [generated_feeds(ctx.facts["inputs"], [p], 0, ctx.cfg.seed) for p in ctx.facts["profiles"]]
         return plan_from_onnx(onnx_r.files["onnx"], ctx.c("partition"), ctx.backend, d, feeds)
 
     r = ctx.cached("partition", parts, work)
@@ -161,12 +170,128 @@ def build(ctx: BuildContext) -> StageResult:
 
 
 def calibrate(ctx: BuildContext) -> StageResult | None:
+    """int8/fp8: the Q/DQ graph of each TensorRT segment (target-independent, cached across targets), then its engine."""
     p = ctx.cfg.precision
     if not p.quantized:
         raise Skip(f"precision {p.name} needs no calibration")
-    from tasks.errors import StageError
-    raise StageError(f"{p.name} calibration (explicit Q/DQ) is not implemented yet",
-                     stage="calibrate", fix="build at fp16 or fp32 for now")
+    from tasks.build import engine_from_onnx
+    from tasks.calibrate import qdq_from_onnx
+    from tasks.segments import run_with_intermediates
+
+    cal_feeds, eval_feeds, data_key = _calibration_feeds(ctx)
+    segs = trt_segments(ctx)
+    plan = ctx.results["partition"].details
+    c = ctx.cfg.calibration
+    budget = ctx.cfg.accuracy.min_cosine
+    target = min(1.0, budget + (1.0 - budget) * c.budget_margin) if budget is not None else None
+    q_parts = {"segments": [sha256_file(s["onnx"]) for s in segs], "data": data_key, "method": c.method,
+               "samples": c.samples, "precision": p.name, "min_cosine": target}
+
+    def segment_feeds(seg: dict, feeds: list) -> list:
+        if not plan.get("hybrid"):
+            return feeds
+        names = next(s["inputs"] for s in plan["segments"] if s["index"] == seg["index"])
+        import onnx
+        model = onnx.load(str(ctx.results["export"].files["onnx"]))
+        return [{n: r[n] for n in names} for r in run_with_intermediates(model, names, feeds)]
+
+    def quantize(d: Path) -> StageResult:
+        files, metrics, details = {}, {"quantized_layers": 0, "fallback_layers": 0, "calibrate_cosine_min": 1.0}, []
+        for s in segs:
+            r = qdq_from_onnx(s["onnx"], segment_feeds(s, cal_feeds), d / f"qdq{s['index']}.onnx", method=c.method,
+                              precision=p.name, min_cosine=target,
+                              eval_feeds=segment_feeds(s, eval_feeds), workdir=d / f"work{s['index']}")
+            files[f"qdq{s['index']}"] = r.files["onnx"]
+            for k in ("quantized_layers", "fallback_layers"):
+                metrics[k] += r.metrics[k]
+            metrics["calibrate_cosine_min"] = min(metrics["calibrate_cosine_min"], r.metrics["calibrate_cosine_min"])
+            metrics["calibration_samples"] = r.metrics["calibration_samples"]
+            details.append({"segment": s["index"], **r.details})
+        files.update(sensitivity_report(details, d))
+        return StageResult(files=files, metrics=metrics, details={"segments": details})
+
+    q = ctx.cached("calibrate", q_parts, quantize, entry="calibrate-qdq")
+    t = ctx.cfg.target
+    e_parts = {"qdq": [sha256_file(q.files[f"qdq{s['index']}"]) for s in segs], "profiles": [s["profiles"] for s in segs],
+               "build": ctx.c("build"), "backend": ctx.backend.version, "compute_capability": t.compute_capability}
+
+    def build_quantized(d: Path) -> StageResult:
+        files, metrics, details = {}, {"quantized_build_seconds": 0.0, "quantized_engine_bytes": 0}, {"engines": []}
+        for s in segs:
+            stem = f"{ctx.cfg.model.name}.{t.name}.{p.name}{s['name']}"
+            eng = engine_from_onnx(q.files[f"qdq{s['index']}"], d / f"{stem}.engine", s["profiles"], t.compute_capability,
+                                   ctx.c("build"), ctx.backend, show_progress=ctx.show_progress, stage="calibrate")
+            files[f"engine{s['index']}"] = eng.files["engine"]
+            metrics["quantized_build_seconds"] += eng.metrics["build_seconds"]
+            metrics["quantized_engine_bytes"] += eng.metrics["engine_bytes"]
+            details["engines"].append({"segment": s["index"], "engine": eng.files["engine"].name, "sha256": eng.details["sha256"]})
+        return StageResult(files=files, metrics=metrics, details=details)
+
+    e = ctx.cached("calibrate", e_parts, build_quantized, entry="calibrate-engine")
+    files = dict(e.files)
+    files.update({f"onnx{s['index']}": q.files[f"qdq{s['index']}"] for s in segs})
+    files.update({k: v for k, v in q.files.items() if k.startswith("sensitivity")})
+    details = {"engines": [{**x, "onnx": q.files[f"qdq{x['segment']}"].name} for x in e.details["engines"]],
+               "quantization": q.details, "eval_samples": len(eval_feeds)}
+    return StageResult(files=files, metrics={**q.metrics, **e.metrics}, details=details)
+
+
+def _calibration_feeds(ctx: BuildContext) -> tuple[list, list, dict]:
+    """Calibration samples and held-out samples (for the budget search and for validation when nothing else is given).
+
+    calibration.data: up to calibration.samples arrays; a quarter (at least one) is held out when there are 4 or more.
+    Else the model's images recipe: calibration.samples images at the opt shape, and 3 other images held out."""
+    import numpy as np
+
+    from tasks.inputs import calibration_shapes, generated_feeds, heldout_shapes
+
+    c = ctx.cfg.calibration
+    data = ctx.facts.get("calibration.data")
+    if data:
+        n_hold = max(1, len(data) // 4) if len(data) >= 4 else 0
+        cal, held = (data[:-n_hold], data[-n_hold:]) if n_hold else (data, [])
+        ctx.facts["heldout"] = held
+        return cal, held or cal, {"data": ctx.facts["calibration.data.sha256"], "hold": n_hold}
+    recipe = ctx.c("model.images")
+    rng = np.random.default_rng(ctx.cfg.seed + 1000)
+    mult = ctx.c("model.shape_multiple")
+    prof = ctx.facts["profiles"][0]
+    cal_shapes = calibration_shapes(prof, c.samples, rng, mult)
+    held_shapes = heldout_shapes(prof, 3, rng, mult)
+    cal = [generated_feeds(ctx.facts["inputs"], [s], 0, ctx.cfg.seed + 1000 + i, recipe=recipe, offset=i)[0]
+           for i, s in enumerate(cal_shapes)]
+    held = [generated_feeds(ctx.facts["inputs"], [s], 0, ctx.cfg.seed + 5000 + i, recipe=recipe, offset=c.samples + i)[0]
+            for i, s in enumerate(held_shapes)]
+    return cal, held, {"recipe": recipe, "shapes": cal_shapes + held_shapes, "seed": ctx.cfg.seed}
+
+
+def sensitivity_report(segments: list[dict], d: Path) -> dict[str, Path]:
+    """The per-layer sensitivity table (JSON) and a bar chart: cosine with only that layer quantized."""
+    from tasks.util import write_json
+
+    rows = [{"segment": s["segment"], **r, "kept_high_precision": r["node"] in set(s.get("fallback", []))}
+            for s in segments for r in s.get("sensitivity", [])]
+    files = {"sensitivity": write_json(d / "sensitivity.json", {"layers": rows, "segments": [
+        {k: s.get(k) for k in ("segment", "method", "precision", "quantized", "fallback", "min_cosine")} for s in segments]})}
+    if rows:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        rows = sorted(rows, key=lambda r: r["cosine_alone"])
+        fig, ax = plt.subplots(figsize=(10, max(3.0, 0.18 * len(rows) + 1)))
+        colors = ["#c62828" if r["kept_high_precision"] else "#2e7d32" for r in rows]
+        ax.barh(range(len(rows)), [1 - r["cosine_alone"] for r in rows], color=colors)
+        ax.set_yticks(range(len(rows)))
+        ax.set_yticklabels([r["node"] for r in rows], fontsize=6)
+        ax.set_xscale("log")
+        ax.set_xlabel("1 - cosine to fp32 with only this layer quantized (red: kept in higher precision)")
+        ax.set_title("quantization sensitivity per layer")
+        fig.tight_layout()
+        fig.savefig(d / "sensitivity.png", dpi=100)
+        plt.close(fig)
+        files["sensitivity_plot"] = d / "sensitivity.png"
+    return files
 
 
 def _feeds(ctx: BuildContext, purpose: str) -> tuple[list, str, dict]:
@@ -176,6 +301,9 @@ def _feeds(ctx: BuildContext, purpose: str) -> tuple[list, str, dict]:
     v = ctx.cfg.validation
     if ctx.facts.get("validation.data"):
         return ctx.facts["validation.data"], f"validation.data ({v.data})", {"data": ctx.facts["validation.data.sha256"]}
+    if ctx.facts.get("heldout"):
+        return ctx.facts["heldout"], "held-out calibration samples", {"data": ctx.facts["calibration.data.sha256"],
+                                                                      "heldout": len(ctx.facts["heldout"])}
     recipe = ctx.c("model.images")
     feeds = generated_feeds(ctx.facts["inputs"], ctx.facts["profiles"], v.samples, v.seed, recipe=recipe,
                             multiples=ctx.c("model.shape_multiple"))
@@ -208,7 +336,8 @@ def candidate_runner(ctx: BuildContext, use_engines: bool):
             eng, onnx = by_segment[seg["index"]]
             if use_engines:
                 return EngineRunner(Path(eng).read_bytes(), ctx.backend).infer
-            return ort_runner(onnx)
+            # ORT's full optimisation fuses Q/DQ into kernels that have no float8 version
+            return ort_runner(onnx, basic=ctx.cfg.precision.name == "fp8")
         return ort_runner(ctx.results["partition"].files[f"segment{seg['index']}"])
 
     plan = ctx.results["partition"].details
@@ -266,6 +395,7 @@ def benchmark(ctx: BuildContext) -> StageResult:
     opt = {n: {"min": r["opt"], "opt": r["opt"], "max": r["opt"]} for n, r in ctx.facts["profiles"][0].items()}
     feed = generated_feeds(ctx.facts["inputs"], [opt], 0, ctx.cfg.seed, recipe=ctx.c("model.images"))[0]
     gpu = trt_backend.gpu_for(cc)
+    quantized = bool(ctx.cfg.precision.quantized)
     build_metrics = {"build_seconds": ctx.results["build"].metrics.get("build_seconds"),
                      "engine_bytes": eng_r.metrics.get("engine_bytes")}
     parts = {"onnx": file_hash(ref, "onnx"), "bench": ctx.c("benchmark"), "host": host_info(),
@@ -302,8 +432,20 @@ def benchmark(ctx: BuildContext) -> StageResult:
                     med.append(float(np.median(rep)))
             timing = {"runtime": f"{ctx.backend.version} on {gpu.name}",
                       **latency_stats(times, med, int(next(iter(feed.values())).shape[0]))}
+            if quantized and not ctx.results["partition"].details.get("hybrid"):
+                base = EngineRunner(Path(engines_of(ctx.results["build"])[0][1]).read_bytes(), ctx.backend)
+                bt = base.time(feed, b.warmup, b.iterations * b.repeats)
+                timing["baseline_p50_ms"] = float(np.median(bt))
+                timing["quantized_but_slower"] = bool(timing["p50_ms"] > timing["baseline_p50_ms"])
+        extra = {}
+        if quantized:
+            extra["quantized_vs_baseline"] = (
+                f"{ctx.cfg.precision.name} engine vs the {ctx.cfg.precision.baseline} baseline: "
+                + (("QUANTIZED BUT SLOWER" if timing.get("quantized_but_slower") else "quantized is faster")
+                   if timing and "baseline_p50_ms" in timing else
+                   "needs a GPU of compute capability " + cc + " to time both engines"))
         return benchmark_model(ref.files["onnx"], feed, ctx.c("benchmark"), d / "benchmark.json", build_metrics, timing,
-                               None if gpu else trt_backend.no_gpu_reason(cc) + "; engine timing needs that GPU")
+                               None if gpu else trt_backend.no_gpu_reason(cc) + "; engine timing needs that GPU", extra)
 
     return ctx.cached("benchmark", parts, work)
 

@@ -62,11 +62,12 @@ def benchmark_onnx(onnx_path: Path, feed: dict[str, np.ndarray], bench_cfg: Any,
 
 
 def benchmark_model(onnx_path: Path, feed: dict[str, np.ndarray], bench_cfg: Any, out_path: Path,
-                    build_metrics: dict[str, float], engine_timing: dict | None, engine_skip_reason: str | None) -> StageResult:
+                    build_metrics: dict[str, float], engine_timing: dict | None, engine_skip_reason: str | None,
+                    extra: dict | None = None) -> StageResult:
     t0 = time.perf_counter()
     native = benchmark_onnx(onnx_path, feed, bench_cfg, "onnxruntime-cpu fp32")
     report = {"host": host_info(), "native": native, "build": build_metrics,
-              "engine": engine_timing or {"status": "skipped", "reason": engine_skip_reason}}
+              "engine": engine_timing or {"status": "skipped", "reason": engine_skip_reason}, **(extra or {})}
     write_json(out_path, report)
     metrics = {f"ort_{k}": v for k, v in native.items() if isinstance(v, float)}
     if engine_timing:

@@ -133,5 +133,52 @@ def generated_feeds(inputs: list[TensorInfo], profiles: list[dict], n_random: in
     return feeds
 
 
+def calibration_shapes(profile: dict, n: int, rng: np.random.Generator, multiples: dict | None = None,
+                       spread: tuple[float, float] = (0.6, 1.3)) -> list[dict]:
+    """n single-sample shapes around the opt shape (batch 1; other dims scaled by a random factor, kept inside the
+    profile and on the model's multiples): calibration sees content at several scales without max-size cost."""
+    shapes = []
+    for i in range(n):
+        f = 1.0 if i == 0 else float(rng.uniform(*spread))
+        shape = {}
+        for name, r in profile.items():
+            dims = []
+            for d, (lo, opt, hi) in enumerate(zip(r["min"], r["opt"], r["max"])):
+                if d == 0 and lo <= 1:
+                    dims.append(1)
+                    continue
+                step = int(((multiples or {}).get(name) or [1] * len(r["opt"]))[d])
+                v = int(round(opt * f / step)) * step if lo != hi else opt
+                dims.append(int(min(max(v, lo), hi)))
+            shape[name] = {"min": dims, "opt": dims, "max": dims}
+        shapes.append(shape)
+    return shapes
+
+
+def heldout_shapes(profile: dict, n_random: int, rng: np.random.Generator, multiples: dict | None = None) -> list[dict]:
+    """Shapes like validation draws them (min, opt, random in between: every aspect ratio), with batch 1 and at most
+    the opt shape's size, so that an accuracy search judged on them agrees with validate at a fraction of the cost."""
+    from .profiles import shapes_in_profile
+
+    out = []
+    for s in shapes_in_profile(profile, n_random, rng, None, multiples):
+        shape = {}
+        for name, dims in s.items():
+            r = profile[name]
+            dims = list(dims)
+            if r["min"][0] <= 1 and len(dims) > 0:
+                dims[0] = 1
+            vol, opt_vol = float(np.prod(dims[1:])), float(np.prod(r["opt"][1:]))
+            if vol > opt_vol:  # shrink the varying dims to the opt size, keeping their ratio
+                varying = [d for d in range(1, len(dims)) if r["min"][d] != r["max"][d]]
+                f = (opt_vol / vol) ** (1.0 / max(1, len(varying)))
+                step = (multiples or {}).get(name) or [1] * len(dims)
+                for d in varying:
+                    dims[d] = int(min(max(int(dims[d] * f) // int(step[d]) * int(step[d]), r["min"][d]), r["max"][d]))
+            shape[name] = {"min": dims, "opt": dims, "max": dims}
+        out.append(shape)
+    return out
+
+
 def describe_feeds(feeds: list[Feed]) -> list[dict[str, list[int]]]:
     return [{n: list(a.shape) for n, a in f.items()} for f in feeds]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -21,12 +21,23 @@ FRAGMENTED = 4  # more TensorRT segments than this: boundaries likely cost more 
 
 
 def plan_from_onnx(onnx_path: Path, partition_cfg: Any, backend: Backend, out_dir: Path,
-                   profile_feeds: list[list[dict[str, np.ndarray]]]) -> StageResult:
+                   profile_feeds: list[list[dict[str, np.ndarray]]] | Callable[[], list]) -> StageResult:
     """Write partition.json, graph.png and, for a hybrid model, one fp32 ONNX per segment.
 
-    profile_feeds: per model profile, feeds at its [min, opt, max] shapes (to propagate shapes to boundaries).
+    profile_feeds: per model profile, feeds at its [min, opt, max] shapes (to propagate shapes to boundaries),
+    or a callable making them (only a model that does not fully parse needs them).
     """
     import onnx
+
+    if callable(profile_feeds):
+        make_feeds = profile_feeds
+        profile_feeds = None
+
+    def feeds() -> list:
+        nonlocal profile_feeds
+        if profile_feeds is None:
+            profile_feeds = make_feeds()
+        return profile_feeds
 
     t0 = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -43,7 +54,7 @@ def plan_from_onnx(onnx_path: Path, partition_cfg: Any, backend: Backend, out_di
     supported = [sg["nodes"] for sg in with_parser.subgraphs if sg["supported"]]
     unsupported = [sg["nodes"] for sg in with_parser.subgraphs if not sg["supported"]]
     if unsupported:  # the parser's subgraphs are coarse: narrow each failing one down to the nodes that fail
-        shapes = tensor_shapes(model, [f for feeds in profile_feeds for f in feeds[:2]])
+        shapes = tensor_shapes(model, [f for fs in feeds() for f in fs[:2]])
         for sg in unsupported:
             supported += refine(model, sg, backend, shapes, reasons)
     for sg in supported:
@@ -90,7 +101,7 @@ def plan_from_onnx(onnx_path: Path, partition_cfg: Any, backend: Backend, out_di
                         "set partition.strict=false to run them natively, or replace those ops")
     if hybrid:
         try:
-            shapes = [boundary_profiles(segments, feeds, model) for feeds in profile_feeds]
+            shapes = [boundary_profiles(segments, fs, model) for fs in feeds()]
         except Exception as e:
             native = sorted({f"{f['op']} ({f['domain']})" for f in fallback_nodes})
             raise StageError(f"the fallback nodes cannot run in ONNX Runtime either ({native}): {str(e).splitlines()[0][:300]}",
@@ -112,10 +123,11 @@ def plan_from_onnx(onnx_path: Path, partition_cfg: Any, backend: Backend, out_di
     plan["segments"] = [s.as_dict() for s in segments]
     write_json(out_dir / "partition.json", plan)
     files["partition"] = out_dir / "partition.json"
-    try:
-        files["graph"] = draw_partition(model, segments, out_dir / "partition.png")
-    except Exception as e:  # a picture is a nicety
-        plan["warnings"].append(f"no graph picture: {e}")
+    if hybrid:  # a fully supported model is one green island: no picture needed
+        try:
+            files["graph"] = draw_partition(model, segments, out_dir / "partition.png")
+        except Exception as e:  # a picture is a nicety
+            plan["warnings"].append(f"no graph picture: {e}")
     metrics = {"trt_subgraphs": len(trt_segments), "fallback_nodes": len(fallback),
                "trt_nodes": len(trt_nodes), "partition_seconds": time.perf_counter() - t0}
     return StageResult(files=files, metrics=metrics, details=plan)

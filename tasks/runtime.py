@@ -14,10 +14,12 @@ import numpy as np
 from .errors import StageError
 
 
-def ort_session(path: Path, threads: int = 0, stage: str = "validate"):
+def ort_session(path: Path, threads: int = 0, stage: str = "validate", basic: bool = False):
     import onnxruntime as ort
 
     so = ort.SessionOptions()
+    if basic:
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     so.log_severity_level = 4  # errors come back as exceptions; keep ORT's own printing quiet
     if threads:
         so.intra_op_num_threads = int(threads)

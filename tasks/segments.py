@@ -188,8 +188,8 @@ class Composed:
         return {n: env[n] for n in self.graph_outputs}
 
 
-def ort_runner(path: Path) -> Callable:
+def ort_runner(path: Path, basic: bool = False) -> Callable:
     from .runtime import ort_run, ort_session
 
-    sess = ort_session(path)
+    sess = ort_session(path, basic=basic)
     return lambda feed: ort_run(sess, feed)

@@ -185,3 +185,35 @@ def test_hybrid_model_builds_one_engine_per_tensorrt_subgraph(prefect_harness, h
     client = mlflow_run(s["mlflow"]["run_id"])
     assert len(client.list_artifacts(s["mlflow"]["run_id"], "engine")) == 3
     assert "reports/partition.png" in {a.path for a in client.list_artifacts(s["mlflow"]["run_id"], "reports")}
+
+
+@pytest.fixture(scope="module")
+def tiny_calibration(tmp_path_factory):
+    import numpy as np
+
+    d = tmp_path_factory.mktemp("caldata")
+    rng = np.random.default_rng(3)
+    np.savez(d / "cal.npz", x=rng.standard_normal((12, 1, 3, 16, 16)).astype(np.float32))  # 12 samples, one file
+    return d / "cal.npz"
+
+
+def test_int8_from_calibration_data_is_quantized_validated_and_cached_across_targets(
+        prefect_harness, user_config_dir, tiny_calibration, tmp_path):
+    args = ["model=tiny", "precision=int8", f"calibration.data={tiny_calibration}", "calibration.method=minmax",
+            "accuracy.min_cosine=0.98"]
+    s = build([*args, "target=sm_86"], user_config_dir, tmp_path)
+    assert s["status"] == "ok", s.get("error")
+    m = s["metrics"]
+    assert m["quantized_layers"] + m["fallback_layers"] == 2 and m["quantized_layers"] >= 1
+    assert m["cosine_min"] >= 0.98
+    assert s["engine"]["file"] == "tiny.sm_86.int8.engine" and s["stages"]["calibrate"]["status"] == "ok"
+    v = json.loads((Path(s["out_dir"]) / "validation.json").read_text())
+    assert v["inputs"] == "held-out calibration samples" and len(v["feeds"]) == 3
+    assert "needs a GPU" in json.loads((Path(s["out_dir"]) / "benchmark.json").read_text())["quantized_vs_baseline"]
+    # another target: the Q/DQ graph comes from the cache, only the engine is built
+    s2 = build([*args, "target=sm_89"], user_config_dir, tmp_path)
+    assert s2["status"] == "ok" and "partly from the cache" in s2["stages"]["calibrate"]["reason"]
+    # the same build again: calibrate and build are served from the cache
+    s3 = build([*args, "target=sm_89"], user_config_dir, tmp_path)
+    assert s3["stages"]["calibrate"]["status"] == "cached" and s3["stages"]["build"]["status"] == "cached"
+    assert s3["engine"]["sha256"] == s2["engine"]["sha256"]
