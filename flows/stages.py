@@ -183,7 +183,7 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
     plan = ctx.results["partition"].details
     c = ctx.cfg.calibration
     budget = ctx.cfg.accuracy.min_cosine
-    target = min(1.0, budget + (1.0 - budget) * c.budget_margin) if budget is not None else None
+    target = min(1.0, budget + (1.0 - budget) * c.budget_margin) if c.search else None
     q_parts = {"segments": [sha256_file(s["onnx"]) for s in segs], "data": data_key, "method": c.method,
                "samples": c.samples, "precision": p.name, "min_cosine": target}
 

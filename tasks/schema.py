@@ -84,6 +84,7 @@ class CalibrationConfig:
     # calibrate aims this fraction of the allowed error above accuracy.min_cosine, so the budget still holds
     # when validate checks other shapes and inputs (0.25 with min_cosine 0.99 -> search target 0.9925)
     budget_margin: float = 0.25
+    search: bool = True  # keep sensitive layers in higher precision until accuracy.min_cosine holds (else quantize all)
 
 
 @dataclass
