@@ -154,10 +154,14 @@ def onnx_from_torch(model_cfg: Any, profiles: list[dict], out_path: Path) -> str
     errors = []
     for dynamo in (True, False):
         try:
-            kwargs = dict(input_names=names, dynamic_axes=dynamic_axes or None, opset_version=int(model_cfg["opset"]),
-                          dynamo=dynamo)
-            if dynamo:
+            kwargs = dict(input_names=names, opset_version=int(model_cfg["opset"]), dynamo=dynamo)
+            if dynamo:  # the dynamo exporter takes dynamic_shapes (per forward() argument, in order)
                 kwargs["external_data"] = False
+                if dynamic_axes:
+                    kwargs["dynamic_shapes"] = tuple({i: torch.export.Dim.DYNAMIC for i in dynamic_axes.get(n, {})} or None
+                                                     for n in names)
+            else:
+                kwargs["dynamic_axes"] = dynamic_axes or None
             with torch.no_grad():
                 torch.onnx.export(module, tuple(args), str(out_path), **kwargs)
             return f"torch.onnx.export(dynamo={dynamo})"

@@ -1,5 +1,8 @@
 """qdq_from_onnx on the real PP-OCRv4 det model (text-page calibration, ORT judging, real TensorRT-RTX
-builds for sm_86/sm_89 on this CPU host) and on a tiny Conv graph built in code."""
+builds for sm_86/sm_89 on this CPU host) and on a tiny Conv graph built in code.
+
+The det fixtures share one set of calibration feeds, so int8 and fp8 reuse the calibrated ranges (the
+module memoises them per model/feeds/method) and only the first fixture pays for calibration."""
 from __future__ import annotations
 
 import importlib.util
@@ -8,8 +11,11 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from ml_dtypes import float8_e4m3fn
+from onnx import TensorProto, numpy_helper
+from onnxruntime.quantization.calibrate import load_tensors_data
 
-from tasks.calibrate import qdq_from_onnx
+from tasks.calibrate import _Quantizer, _calibrate, _session, qdq_from_onnx
 from tasks.errors import AccuracyError, ConfigError
 from tasks.samples import preprocess, render_text_image
 from tests.conftest import make_conv_model
@@ -33,7 +39,7 @@ def _text_feeds(shapes: list[tuple[int, int]], seed: int) -> list[dict[str, np.n
 @pytest.fixture(scope="module")
 def det_data():
     calib = _text_feeds([(320, 320)] * 8 + [(256, 384)] * 2, seed=0)
-    evals = _text_feeds([(320, 320)] * 3, seed=1)
+    evals = _text_feeds([(320, 320)] * 2, seed=1)  # judges every budget-search candidate: kept small
     return _det_path(), calib, evals
 
 
@@ -49,6 +55,15 @@ def det_budget(det_data, tmp_path_factory):
     path, calib, evals = det_data
     d = tmp_path_factory.mktemp("det_budget")
     return qdq_from_onnx(path, calib, d / "det_int8_099.onnx", method="entropy", min_cosine=0.99, eval_feeds=evals)
+
+
+@pytest.fixture(scope="module")
+def det_fp8(det_data, tmp_path_factory):
+    """fp8, entropy ranges, budget 0.99 (every layer at fp8: ~0.97; depthwise 3x3 weights lose most)."""
+    path, calib, evals = det_data
+    d = tmp_path_factory.mktemp("det_fp8")
+    return qdq_from_onnx(path, calib, d / "det_fp8_099.onnx", precision="fp8", min_cosine=0.99, eval_feeds=evals,
+                         workdir=d / "work")
 
 
 def _build(path: Path, sm: str) -> int:
@@ -86,7 +101,7 @@ def test_det_all_layers_int8(det_all):
     m = r.metrics
     assert m["quantized_layers"] == 62 and m["fallback_layers"] == 0
     assert m["calibration_samples"] == 10
-    assert m["calibrate_cosine_min"] >= 0.95, m  # text pages; ~0.95 at 320x320 (STACK: ~0.97 full size)
+    assert m["calibrate_cosine_min"] >= 0.955, m  # text pages at 320x320: 0.962 measured (STACK: ~0.97 full size)
     assert r.details["prepare"]["opset"] >= 13 and r.details["prepare"]["opset_in"] == 12
     n_q, consumers = _qdq_counts(r.files["onnx"])
     assert n_q > 0 and consumers <= {"Conv", "MatMul", "Gemm"}, consumers  # Q/DQ only feeds those
@@ -99,7 +114,7 @@ def test_det_budget_keeps_most_layers_int8(det_budget):
     assert m["calibrate_cosine_min"] >= 0.99, m
     assert m["calibrate_cosine_all"] < 0.99  # the budget actually made it search
     assert m["quantized_layers"] + m["fallback_layers"] == 62
-    assert m["quantized_layers"] >= 31, m
+    assert m["quantized_layers"] >= 50, m  # 58 measured
     sens = r.details["sensitivity"]
     assert len(sens) == 62 and all(s["op"] == "Conv" for s in sens)
     assert sorted(r.details["quantized"] + r.details["fallback"]) == sorted(s["node"] for s in sens)
@@ -119,13 +134,71 @@ def test_det_int8_graphs_build_for_sm86(det_all, det_budget):
     assert _build(det_budget.files["onnx"], "SM86") > 1_000_000
 
 
-def test_det_fp8_builds_for_sm89(det_data, tmp_path):
-    """ORT can run fp8 Q/DQ on CPU (basic graph optimisations); its fp8 ranges ('distribution') are poor."""
+def test_det_fp8_budget(det_fp8):
+    """amax/448 scales: every layer 0.973 (ORT's std-based fp8 scales gave 0.846), 0.990 with 53/62 at fp8."""
+    r = det_fp8
+    m = r.metrics
+    assert r.details["method"] == "entropy" and r.details["precision"] == "fp8"
+    assert r.details["cosine_measurable"]
+    assert m["calibrate_cosine_all"] >= 0.95, m
+    assert m["calibrate_cosine_min"] >= 0.99, m
+    assert m["quantized_layers"] >= 48 and m["quantized_layers"] + m["fallback_layers"] == 62, m  # 53 measured
+    n_q, consumers = _qdq_counts(r.files["onnx"])
+    assert n_q > 0 and consumers <= {"Conv", "MatMul", "Gemm"}, consumers
+    g = onnx.load(str(r.files["onnx"])).graph
+    fallback = set(r.details["fallback"])
+    dq_out = {o for n in g.node if n.op_type == "DequantizeLinear" for o in n.output}
+    for n in g.node:
+        if n.name in fallback:
+            assert not any(i in dq_out for i in n.input), n.name
+
+
+def test_det_fp8_scales_follow_amax(det_fp8):
+    """Activations: scale = amax/448 of the calibrated range; weights: per output channel max|w|/448,
+    stored as float8 E4M3FN = round(w / scale); zero points are float8 zeros."""
+    r = det_fp8
+    g = onnx.load(str(r.files["onnx"])).graph
+    fp32 = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(r.files["fp32_prepared"])).graph.initializer}
+    ranges = load_tensors_data(r.files["calibration_cache"]).data
+    inits = {t.name: t for t in g.initializer}
+    n_act = n_w = 0
+    for n in g.node:
+        if n.op_type not in ("QuantizeLinear", "DequantizeLinear"):
+            continue
+        zp = inits[n.input[2]]
+        assert zp.data_type == TensorProto.FLOAT8E4M3FN and not numpy_helper.to_array(zp).astype(np.float32).any()
+        scale = numpy_helper.to_array(inits[n.input[1]])
+        assert scale.dtype == np.float32 and (scale > 0).all()
+        if n.op_type == "QuantizeLinear":
+            amax = max(np.abs(np.asarray(v, dtype=np.float64)).max() for v in ranges[n.input[0]].range_value)
+            assert scale == pytest.approx(amax / 448, rel=1e-6), n.input[0]
+            n_act += 1
+        elif n.input[0] in inits:  # weight
+            q = inits[n.input[0]]
+            assert q.data_type == TensorProto.FLOAT8E4M3FN and n.input[0].endswith("_quantized")
+            w = fp32[n.input[0][: -len("_quantized")]]
+            axis = next(a.i for a in n.attribute if a.name == "axis")
+            assert axis == 0 and scale.shape == (w.shape[0],)
+            amax = np.abs(w).reshape(w.shape[0], -1).max(1)
+            np.testing.assert_allclose(scale, np.where(amax > 0, amax / 448, 1), rtol=1e-6)
+            s = scale.reshape(-1, *[1] * (w.ndim - 1))
+            np.testing.assert_array_equal(numpy_helper.to_array(q).view(np.uint8),
+                                          (w / s).astype(float8_e4m3fn).view(np.uint8))
+            deq = numpy_helper.to_array(q).astype(np.float32) * s
+            assert (np.abs(deq - w) <= np.abs(w) / 16 + s * 2.0 ** -9).all()  # E4M3: 3 mantissa bits
+            n_w += 1
+    assert n_act == n_w == r.metrics["quantized_layers"]
+
+
+def test_det_fp8_every_layer_minmax_builds_for_sm89(det_data, det_fp8, tmp_path):
+    """``method`` applies to fp8 too; every layer at fp8 still builds (and so does the budgeted graph)."""
     path, calib, evals = det_data
-    r = qdq_from_onnx(path, calib[:4], tmp_path / "det_fp8.onnx", precision="fp8", eval_feeds=evals[:1])
-    assert r.details["method"] == "distribution"
-    assert r.details["cosine_measurable"] and 0.0 < r.metrics["calibrate_cosine_min"] <= 1.0
+    r = qdq_from_onnx(path, calib, tmp_path / "det_fp8_minmax.onnx", precision="fp8", method="minmax",
+                      eval_feeds=evals[:1])
+    assert r.details["method"] == "minmax" and r.metrics["quantized_layers"] == 62
+    assert r.details["cosine_measurable"] and r.metrics["calibrate_cosine_min"] >= 0.95, r.metrics
     assert _build(r.files["onnx"], "SM89") > 1_000_000
+    assert _build(det_fp8.files["onnx"], "SM89") > 1_000_000
 
 
 # ---------------------------------------------------------------- tiny graph
@@ -150,9 +223,31 @@ def test_unknown_method_and_precision(tiny):
 
 def test_tiny_quantizes_with_mixed_shapes(tiny):
     path, feeds, d = tiny
-    for method in ("minmax", "percentile", "entropy"):
-        r = qdq_from_onnx(path, feeds, d / f"q_{method}.onnx", method=method)
-        assert r.metrics["quantized_layers"] == 2 and r.metrics["calibrate_cosine_min"] > 0.9, (method, r.metrics)
+    for precision in ("int8", "fp8"):
+        for method in ("minmax", "percentile", "entropy"):
+            r = qdq_from_onnx(path, feeds, d / f"q_{precision}_{method}.onnx", method=method, precision=precision)
+            assert r.details["method"] == method, r.details
+            assert r.metrics["quantized_layers"] == 2 and r.metrics["calibrate_cosine_min"] > 0.95, \
+                (precision, method, r.metrics)
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_subset_graph_matches_quantizing_only_the_subset(tiny, precision, tmp_path):
+    """The budget search derives subset graphs from the all-layers graph: same graph as ORT quantizing only
+    that subset, except that a layer left in float never reads a Q/DQ output."""
+    path, feeds, d = tiny
+    ranges = _calibrate(path, feeds, "minmax", tmp_path)
+    q = _Quantizer(path, ranges, precision)
+    assert q.layers == ["conv1", "conv2"]
+    q.model(q.layers)  # builds the all-layers graph the subsets come from
+    for subset in (["conv1"], ["conv2"]):
+        derived, direct = q.model(subset), q.quantize(subset)
+        assert [(n.op_type, list(n.input)) for n in derived.graph.node] == \
+               [(n.op_type, list(n.input)) for n in direct.graph.node], subset
+        assert sorted(t.name for t in derived.graph.initializer) == sorted(t.name for t in direct.graph.initializer)
+        outs = [_session(m.SerializeToString(), None, basic=precision == "fp8").run(None, feeds[0])[0]
+                for m in (derived, direct)]
+        np.testing.assert_array_equal(*outs)
 
 
 def test_impossible_budget_raises_accuracy_error(tiny):
