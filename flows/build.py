@@ -75,6 +75,11 @@ def publish(ctx: stages.BuildContext) -> dict:
     summary["versions"] = versions(ctx)
     write_json(tmp / "summary.json", summary)
     replace_dir(tmp, final)
+    if ok:  # a stale failure report beside a good result would mislead
+        stale = final.with_name(final.name + ".failed")
+        if stale.is_dir():
+            import shutil
+            shutil.rmtree(stale, ignore_errors=True)
     summary["out_dir"] = str(final)
     run = track(experiment=cfg.experiment, summary={k: v for k, v in summary.items() if k != "out_dir"},
                 params=flat_params(cfg), resolved_yaml=resolved, out_dir=final,

@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from tasks import backend as trt_backend
 from tasks.errors import TrtforgeError
+from tasks.samples import GENERATOR_VERSION
 from tasks.util import StageResult, sha256_file
 
 TRTFORGE_VERSION = "0.1.0"
@@ -262,7 +263,8 @@ def _calibration_feeds(ctx: BuildContext) -> tuple[list, list, dict]:
            for i, s in enumerate(cal_shapes)]
     held = [generated_feeds(ctx.facts["inputs"], [s], 0, ctx.cfg.seed + 5000 + i, recipe=recipe, offset=c.samples + i)[0]
             for i, s in enumerate(held_shapes)]
-    return cal, held, {"recipe": recipe, "shapes": cal_shapes + held_shapes, "seed": ctx.cfg.seed}
+    return cal, held, {"recipe": recipe, "shapes": cal_shapes + held_shapes, "seed": ctx.cfg.seed,
+                       "generator": GENERATOR_VERSION}
 
 
 def sensitivity_report(segments: list[dict], d: Path) -> dict[str, Path]:
@@ -308,7 +310,8 @@ def _feeds(ctx: BuildContext, purpose: str) -> tuple[list, str, dict]:
     feeds = generated_feeds(ctx.facts["inputs"], ctx.facts["profiles"], v.samples, v.seed, recipe=recipe,
                             multiples=ctx.c("model.shape_multiple"))
     src = f"images ({recipe['source']})" if recipe else "random"
-    return feeds, src, {"recipe": recipe, "samples": v.samples, "seed": v.seed, "multiple": ctx.c("model.shape_multiple")}
+    return feeds, src, {"recipe": recipe, "samples": v.samples, "seed": v.seed, "multiple": ctx.c("model.shape_multiple"),
+                        "generator": GENERATOR_VERSION}
 
 
 def deliverable(ctx: BuildContext) -> StageResult:

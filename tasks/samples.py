@@ -11,6 +11,7 @@ from .errors import ConfigError
 WORDS = ("TensorRT engine build calibrate validate benchmark export partition model target precision profile "
          "invoice total amount date 2026 receipt page number order shipping address quantity price tax "
          "the quick brown fox jumps over lazy dog 0123456789 ABCDEFGHIJKLMNOPQRSTUVWXYZ").split()
+GENERATOR_VERSION = 2  # part of cache keys: bump when synthetic images change
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp"}
 
 
@@ -36,7 +37,9 @@ def render_text_image(height: int, width: int, rng: np.random.Generator) -> np.n
         size = max(8, int(height * rng.uniform(0.55, 0.75)))
         rows = [int((height - size) / 2)]
     else:
-        size = int(rng.integers(max(8, height // 40), max(10, height // 14) + 1))
+        # font size in pixels independent of the page size (like scans at a given resolution), so every input
+        # shape sees the same distribution of text scales
+        size = int(rng.integers(12, max(13, min(48, height // 3)) + 1))
         rows = list(range(int(rng.integers(2, size + 3)), height - size, int(size * rng.uniform(1.5, 2.2))))
     font = _font(size)
     for y in rows:

@@ -217,3 +217,30 @@ def test_int8_from_calibration_data_is_quantized_validated_and_cached_across_tar
     s3 = build([*args, "target=sm_89"], user_config_dir, tmp_path)
     assert s3["stages"]["calibrate"]["status"] == "cached" and s3["stages"]["build"]["status"] == "cached"
     assert s3["engine"]["sha256"] == s2["engine"]["sha256"]
+
+
+@pytest.mark.slow
+def test_ppocr_det_int8_meets_the_budget_with_most_layers_int8_and_rebuilds_from_cache(prefect_harness, tmp_path):
+    """Issue 3's bar: entropy calibration on text images, accuracy.min_cosine=0.99 met with at least half the convs int8;
+    an identical second build is served from the cache in at most a quarter of the time."""
+    import time
+
+    args = ["model=ppocr_det", "precision=int8", "accuracy.min_cosine=0.99", "calibration.samples=8",
+            "model.profiles=[{x: {min: [1,3,64,64], opt: [1,3,480,480], max: [2,3,800,800]}}]"]
+    t0 = time.perf_counter()
+    s = build(args, None, tmp_path)
+    first = time.perf_counter() - t0
+    assert s["status"] == "ok", s.get("error")
+    m = s["metrics"]
+    assert m["cosine_min"] >= 0.99
+    assert m["quantized_layers"] >= (m["quantized_layers"] + m["fallback_layers"]) / 2
+    assert m["quantized_layers"] + m["fallback_layers"] == 62
+    out = Path(s["out_dir"])
+    sens = json.loads((out / "sensitivity.json").read_text())
+    assert len(sens["layers"]) == 62 and (out / "sensitivity.png").is_file()
+    t0 = time.perf_counter()
+    again = build(args, None, tmp_path)
+    second = time.perf_counter() - t0
+    assert again["stages"]["calibrate"]["status"] == "cached" and again["stages"]["build"]["status"] == "cached"
+    assert again["engine"]["sha256"] == s["engine"]["sha256"]
+    assert second <= first / 4, (first, second)
