@@ -70,6 +70,10 @@ def publish(ctx: stages.BuildContext) -> dict:
                            ("sensitivity_plot", "sensitivity.png")):
             if key in r.files:
                 (tmp / fname).write_bytes(Path(r.files[key]).read_bytes())
+    data = {key: {"path": OmegaConf.select(cfg, key), "sha256": ctx.facts[key + ".sha256"], "samples": len(ctx.facts[key])}
+            for key in ("calibration.data", "validation.data") if ctx.facts.get(key + ".sha256")}
+    if data:
+        summary["data"] = data
     resolved = OmegaConf.to_yaml(cfg)
     (tmp / "config.yaml").write_text(resolved)
     summary["versions"] = versions(ctx)

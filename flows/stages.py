@@ -1,6 +1,7 @@
 """The glue between the flow and the pure stages in tasks/: cache keys, inputs, skip rules, status."""
 from __future__ import annotations
 
+import contextlib
 import shutil
 import time
 import traceback
@@ -199,9 +200,10 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
     def quantize(d: Path) -> StageResult:
         files, metrics, details = {}, {"quantized_layers": 0, "fallback_layers": 0, "calibrate_cosine_min": 1.0}, []
         for s in segs:
-            r = qdq_from_onnx(s["onnx"], segment_feeds(s, cal_feeds), d / f"qdq{s['index']}.onnx", method=c.method,
-                              precision=p.name, min_cosine=target,
-                              eval_feeds=segment_feeds(s, eval_feeds), workdir=d / f"work{s['index']}")
+            with sample_progress(f"calibrating ({c.method}, segment {s['index']})", ctx.show_progress) as on_sample:
+                r = qdq_from_onnx(s["onnx"], segment_feeds(s, cal_feeds), d / f"qdq{s['index']}.onnx", method=c.method,
+                                  precision=p.name, min_cosine=target, eval_feeds=segment_feeds(s, eval_feeds),
+                                  workdir=d / f"work{s['index']}", on_sample=on_sample)
             files[f"qdq{s['index']}"] = r.files["onnx"]
             for k in ("quantized_layers", "fallback_layers"):
                 metrics[k] += r.metrics[k]
@@ -235,6 +237,21 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
     details = {"engines": [{**x, "onnx": q.files[f"qdq{x['segment']}"].name} for x in e.details["engines"]],
                "quantization": q.details, "eval_samples": len(eval_feeds)}
     return StageResult(files=files, metrics={**q.metrics, **e.metrics}, details=details)
+
+
+@contextlib.contextmanager
+def sample_progress(description: str, show: bool):
+    """A Rich progress bar over calibration samples (on stderr); yields the per-sample callback."""
+    if not show:
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("  {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task(description, total=None)
+        yield lambda done, total: progress.update(task, completed=done, total=total)
 
 
 def _calibration_feeds(ctx: BuildContext) -> tuple[list, list, dict]:

@@ -32,6 +32,8 @@ def log_build(*, experiment: str, summary: dict, params: dict[str, str], resolve
             mlflow.set_tags({"model": summary["model"], "target": summary["target"], "precision": summary["precision"],
                              **{f"version.{k}": v for k, v in versions.items()}})
             mlflow.log_params(params)
+            for key, d in summary.get("data", {}).items():
+                mlflow.set_tag(f"{key}.sha256", d["sha256"])
             metrics = {k: float(v) for k, v in summary.get("metrics", {}).items()
                        if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(float(v)) != float("inf")}
             for stage, s in summary["stages"].items():

@@ -33,6 +33,7 @@ import logging
 import math
 import tempfile
 import time
+from typing import Callable
 from pathlib import Path
 
 import numpy as np
@@ -65,7 +66,8 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[dict[str, np.ndarray]], out_path:
                   precision: str = "int8",
                   min_cosine: float | None = None,
                   eval_feeds: list[dict[str, np.ndarray]] | None = None,
-                  workdir: Path | None = None) -> StageResult:
+                  workdir: Path | None = None,
+                  on_sample: Callable[[int, int], None] | None = None) -> StageResult:
     """Quantize ``fp32_path`` to a Q/DQ graph at ``out_path``, within ``min_cosine`` if given.
 
     ``feeds`` calibrate the ranges (one input dict per sample, shapes may differ); the cosine to the fp32
@@ -106,7 +108,7 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[dict[str, np.ndarray]], out_path:
         if reused:
             ranges = copy.deepcopy(_RANGES_MEMO[key])
         else:
-            ranges = _calibrate(prepared, feeds, method, work)
+            ranges = _calibrate(prepared, feeds, method, work, on_sample)
             _RANGES_MEMO[key] = copy.deepcopy(ranges)
             while len(_RANGES_MEMO) > RANGES_MEMO_SIZE:
                 _RANGES_MEMO.pop(next(iter(_RANGES_MEMO)))
@@ -282,7 +284,7 @@ class _OneFeed:
         pass
 
 
-def _calibrate(model_path: Path, feeds, method: str, work: Path):
+def _calibrate(model_path: Path, feeds, method: str, work: Path, on_sample=None):
     """Ranges of the inputs of every Conv/MatMul/Gemm (the same for int8 and fp8)."""
     from onnxruntime.quantization.calibrate import CalibrationMethod, TensorsData, create_calibrator
 
@@ -296,8 +298,10 @@ def _calibrate(model_path: Path, feeds, method: str, work: Path):
         with contextlib.redirect_stdout(io.StringIO()):
             cal = create_calibrator(model_path, list(QUANT_OPS), augmented_model_path=str(work / "augmented.onnx"),
                                     calibrate_method=cm, extra_options=opts)
-            for feed in feeds:
+            for i, feed in enumerate(feeds):
                 cal.collect_data(_OneFeed(feed))
+                if on_sample is not None:
+                    on_sample(i + 1, len(feeds))
             if cm == CalibrationMethod.Entropy:
                 hists = cal.collector.histogram_dict
                 return TensorsData(cm, {k: _entropy_range(h) for k, h in hists.items()})

@@ -210,6 +210,11 @@ def test_int8_from_calibration_data_is_quantized_validated_and_cached_across_tar
     v = json.loads((Path(s["out_dir"]) / "validation.json").read_text())
     assert v["inputs"] == "held-out calibration samples" and len(v["feeds"]) == 3
     assert "needs a GPU" in json.loads((Path(s["out_dir"]) / "benchmark.json").read_text())["quantized_vs_baseline"]
+    from tasks.inputs import data_hash
+    digest = data_hash(str(tiny_calibration), "calibration.data")
+    assert s["data"]["calibration.data"]["sha256"] == digest
+    run = mlflow_run(s["mlflow"]["run_id"]).get_run(s["mlflow"]["run_id"])
+    assert run.data.tags["calibration.data.sha256"] == digest
     # another target: the Q/DQ graph comes from the cache, only the engine is built
     s2 = build([*args, "target=sm_89"], user_config_dir, tmp_path)
     assert s2["status"] == "ok" and "partly from the cache" in s2["stages"]["calibrate"]["reason"]
@@ -244,3 +249,14 @@ def test_ppocr_det_int8_meets_the_budget_with_most_layers_int8_and_rebuilds_from
     assert again["stages"]["calibrate"]["status"] == "cached" and again["stages"]["build"]["status"] == "cached"
     assert again["engine"]["sha256"] == s["engine"]["sha256"]
     assert second <= first / 4, (first, second)
+
+
+def test_hybrid_int8_quantizes_inside_the_tensorrt_subgraphs(prefect_harness, hybrid_conf, tiny_calibration, tmp_path):
+    s = build(["model=hybrid", "precision=int8", f"calibration.data={tiny_calibration}", "calibration.method=minmax",
+               "accuracy.min_cosine=0.98", "stages.benchmark=false"], hybrid_conf, tmp_path)
+    assert s["status"] == "ok", s.get("error")
+    m = s["metrics"]
+    assert m["trt_subgraphs"] == 3 and len(s["engines"]) == 3
+    assert m["quantized_layers"] + m["fallback_layers"] == 6 and m["quantized_layers"] >= 3
+    assert m["cosine_min"] >= 0.98
+    assert [e["file"] for e in s["engines"]] == [f"hybrid.sm_86.int8.sg{i}.engine" for i in (0, 2, 4)]
