@@ -113,23 +113,55 @@ def export(ctx: BuildContext) -> StageResult:
 
 
 def partition(ctx: BuildContext) -> StageResult:
+    return _plan(ctx, ctx.c("partition"))
+
+
+def _plan(ctx: BuildContext, partition_cfg: dict) -> StageResult:
     from tasks.inputs import generated_feeds
     from tasks.partition import plan_from_onnx
 
     onnx_r = ctx.results["export"]
-    parts = {"onnx": file_hash(onnx_r, "onnx"), "partition": ctx.c("partition"), "backend": ctx.backend.version,
+    parts = {"onnx": file_hash(onnx_r, "onnx"), "partition": partition_cfg, "backend": ctx.backend.version,
              "profiles": ctx.facts["profiles"]}
 
     def work(d: Path) -> StageResult:
         # min/opt/max inputs per profile: running the native part on them gives the boundary tensors' profiles
         def feeds():
             return [generated_feeds(ctx.facts["inputs"], [p], 0, ctx.cfg.seed) for p in ctx.facts["profiles"]]
-        return plan_from_onnx(onnx_r.files["onnx"], ctx.c("partition"), ctx.backend, d, feeds)
+        return plan_from_onnx(onnx_r.files["onnx"], partition_cfg, ctx.backend, d, feeds)
 
     r = ctx.cached("partition", parts, work)
     for w in r.details.get("warnings", []):
         ctx.stages.setdefault("partition", {}).setdefault("warnings", []).append(w)
     return r
+
+
+CONTROL_FLOW = ("If", "Loop", "Scan")
+
+
+def _replan_without_control_flow(ctx: BuildContext, error: TrtforgeError) -> bool:
+    """TensorRT can parse control flow and still fail to build it (an internal assertion, not a parser verdict).
+    Then run the control-flow nodes natively, as a parser rejection would, and say so. False when that cannot help."""
+    import onnx
+
+    if not ctx.cfg.partition.control_flow_fallback:
+        return False
+    model = onnx.load(str(ctx.results["export"].files["onnx"]), load_external_data=False)
+    present = sorted({n.op_type for n in model.graph.node if n.op_type in CONTROL_FLOW})
+    pcfg = ctx.c("partition")
+    if not present or set(present) <= set(pcfg["exclude_ops"]):
+        return False
+    if pcfg["strict"]:
+        return False
+    pcfg["exclude_ops"] = list(pcfg["exclude_ops"]) + [op for op in present if op not in pcfg["exclude_ops"]]
+    plan = _plan(ctx, pcfg)
+    ctx.stages["partition"].pop("_hits", None)
+    ctx.results["partition"] = plan
+    ctx.metrics.update(plan.metrics)
+    ctx.stages["partition"]["note"] = (
+        f"re-planned after the TensorRT build failed ({error.message[:200]}): {', '.join(present)} nodes run in "
+        f"ONNX Runtime (partition.control_flow_fallback=true)")
+    return True
 
 
 def trt_segments(ctx: BuildContext) -> list[dict]:
@@ -143,6 +175,17 @@ def trt_segments(ctx: BuildContext) -> list[dict]:
 
 def build(ctx: BuildContext) -> StageResult:
     """The baseline engine(s), one per TensorRT segment: fp32 or fp16 graph (int8/fp8: quantized ones in calibrate)."""
+    from tasks.errors import StageError
+
+    try:
+        return _build_engines(ctx)
+    except StageError as e:
+        if not _replan_without_control_flow(ctx, e):
+            raise
+        return _build_engines(ctx)
+
+
+def _build_engines(ctx: BuildContext) -> StageResult:
     from tasks.build import engine_from_onnx, onnx_at_precision
 
     precision = ctx.cfg.precision.baseline

@@ -105,6 +105,8 @@ class PartitionConfig:
     min_subgraph_size: int = 3
     exclude_ops: List[str] = field(default_factory=list)
     strict: bool = False
+    # TensorRT can parse If/Loop/Scan and still fail to build them: then run them in ONNX Runtime and re-plan
+    control_flow_fallback: bool = True
 
 
 @dataclass
