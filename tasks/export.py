@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -20,7 +21,11 @@ def source_fingerprint(model_cfg: Any, search: list[Path] | None = None) -> dict
         path = resolve_source(model_cfg["source"], search=search)
         return {"source_sha256": sha256_file(path)}
     module_name = str(model_cfg["factory"]).partition(":")[0]
-    spec = importlib.util.find_spec(module_name)
+    _add_import_paths(search)
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError):
+        spec = None
     origin = spec.origin if spec else None
     return {"factory": model_cfg["factory"], "module_sha256": sha256_file(origin) if origin and Path(origin).is_file() else None}
 
@@ -35,7 +40,7 @@ def onnx_from_model(model_cfg: Any, profiles: list[dict], out_path: Path, search
         how = "onnx passthrough"
     elif model_cfg["format"] == "torch":
         raw = out_path.with_name("torch_export.onnx")
-        how = onnx_from_torch(model_cfg, profiles, raw)
+        how = onnx_from_torch(model_cfg, profiles, raw, search=search)
         model = load_onnx(raw, key="model.factory")
     else:
         raise ConfigError(f"model.format={model_cfg['format']!r} is not supported", fix="use onnx or torch")
@@ -107,7 +112,14 @@ def sanitize(model) -> tuple[Any, list[str]]:
     return model, notes
 
 
-def onnx_from_torch(model_cfg: Any, profiles: list[dict], out_path: Path) -> str:
+def _add_import_paths(search: list[Path] | None) -> None:
+    """A factory module may sit in the working directory or in the user's config directory."""
+    for d in [Path.cwd(), *(search or [])]:
+        if str(d) not in sys.path:
+            sys.path.insert(0, str(d))
+
+
+def onnx_from_torch(model_cfg: Any, profiles: list[dict], out_path: Path, search: list[Path] | None = None) -> str:
     """torch.nn.Module from a zero-argument factory -> ONNX, dims that vary in the profiles exported as dynamic axes."""
     try:
         import torch
@@ -118,8 +130,7 @@ def onnx_from_torch(model_cfg: Any, profiles: list[dict], out_path: Path) -> str
     mod_name, _, fn_name = factory.partition(":")
     if not mod_name or not fn_name:
         raise ConfigError(f"model.factory={factory!r} is not 'module.path:callable'", fix="e.g. model.factory=mypkg.models:make_net")
-    if "" not in sys.path and str(Path.cwd()) not in sys.path:
-        sys.path.insert(0, str(Path.cwd()))
+    _add_import_paths(search)
     try:
         fn = getattr(importlib.import_module(mod_name), fn_name)
     except (ImportError, AttributeError) as e:
@@ -162,7 +173,9 @@ def onnx_from_torch(model_cfg: Any, profiles: list[dict], out_path: Path) -> str
                                                      for n in names)
             else:
                 kwargs["dynamic_axes"] = dynamic_axes or None
-            with torch.no_grad():
+            from .native import quiet_native
+
+            with torch.no_grad(), quiet_native():  # the exporter's progress lines and warnings
                 torch.onnx.export(module, tuple(args), str(out_path), **kwargs)
             return f"torch.onnx.export(dynamo={dynamo})"
         except Exception as e:  # fall back to the legacy exporter

@@ -46,15 +46,28 @@ def _fp16_from_onnx(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
       * nodes consuming a float initializer that fp16 can't hold: overflow
         (|x| > 65504) or most of its mass in the subnormal range (relative L2
         rounding error > MAX_REL_ERROR; stray denormal weights don't count).
+    Models that already contain fp16: if most float weights are fp16 the model
+    is taken as converted and returned unchanged (``already_fp16`` in the
+    stats); otherwise the rest is converted and existing fp16 parts are kept.
+
+    Subgraphs (If/Loop/Scan bodies) are converted with their node; a subgraph
+    reading an outer-scope tensor of the other float type gets a Cast in the
+    scope that defines the tensor (``outer_scope_casts``).
+
     The input model is not modified.  Stats count nodes after Constant folding:
     ``fp16_nodes`` are those left to the fp16 graph (int-only ones included),
     ``casts_added`` is the net number of Cast nodes inserted.
     """
     from onnxconverter_common import float16
 
-    if float16.check_if_fp16_ready(model.graph):
-        raise ValueError("model already contains fp16 tensors")
     t0 = time.perf_counter()
+    content = _float_content(model.graph)
+    if content["fp16_weights"] > content["fp32_weights"]:
+        # Mostly fp16 already: the author chose the precisions (fp32 islands
+        # around Softmax/LayerNorm/...); converting again would undo that.
+        m = onnx.ModelProto()
+        m.CopyFrom(model)
+        return m, _unchanged_stats(m, content, t0)
     m = onnx.ModelProto()
     m.CopyFrom(model)
     g = m.graph
@@ -85,6 +98,9 @@ def _fp16_from_onnx(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
     retargeted = _retarget_float_casts(g)
     _restore_fp32_outputs(g, fp32_outputs)
     bypassed = _bypass_cast_round_trips(g)
+    outer_casts = _fix_outer_scope_refs(g, op_block, set(reasons))
+    if outer_casts:
+        _toposort(g)
     _uniquify_node_names(g)
     _drop_dangling_value_info(g)
 
@@ -99,6 +115,9 @@ def _fp16_from_onnx(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
         "casts_added": len(g.node) - n_before,
         "casts_retargeted": retargeted,
         "cast_round_trips_removed": bypassed,
+        "outer_scope_casts": outer_casts,
+        "fp16_tensors_before": content["fp16_tensors"],
+        "already_fp16": False,
         "seconds": round(time.perf_counter() - t0, 3),
     }
     return m, stats
@@ -110,6 +129,7 @@ def _convert_graph(graph: onnx.GraphProto, op_block: set[str], node_block: set[s
 
     Its topological sort and block-list cast insertion scan the whole graph per
     node (>1 min at 10k nodes); both are replaced by linear versions here.
+    Outer-scope references from subgraphs are fixed up later (_fix_outer_scope_refs).
     """
     from onnxconverter_common import float16 as f
 
@@ -125,12 +145,16 @@ def _convert_graph(graph: onnx.GraphProto, op_block: set[str], node_block: set[s
             f.process_initializers(g, op_block, node_block, 1e-7, FP16_MAX)
             f.process_graph_output(g, top, True)
             next_level.extend(f.get_next_level_graph(g, op_block, node_block))
-            if not top:
-                f.process_node_input_output(g, renamed_inputs)
+            # Not f.process_node_input_output: it points subgraph references to
+            # graph inputs at one of the per-consumer input Casts, which may be
+            # removed later (fp32 consumer); _fix_outer_scope_refs does it right.
             top = False
         level = next_level
     _toposort(graph)
-    f.remove_unnecessary_cast_node(graph)
+    # Not f.remove_unnecessary_cast_node: it ignores subgraph references (drops
+    # Casts whose outputs If branches read) and runs before _retarget_float_casts
+    # (bypasses a Cast(to=FLOAT) still meant to output fp16); _bypass_cast_round_trips
+    # does the same job afterwards.
 
 
 def _cast_around_blocked(g: onnx.GraphProto, op_block: set[str], node_block: set[str]) -> None:
@@ -245,10 +269,11 @@ def _constant_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
     return None  # sparse / string constants: leave as nodes
 
 
-def _uniquify_node_names(g: onnx.GraphProto) -> None:
+def _uniquify_node_names(g: onnx.GraphProto, seen: set[str] | None = None) -> None:
     # node_block_list matches by name and the converter derives Cast names
-    # from node names, so every node needs a distinct, non-empty name.
-    seen: set[str] = set()
+    # from node names, so every node needs a distinct, non-empty name
+    # (subgraphs included: the converter processes them the same way).
+    seen = set() if seen is None else seen
     for i, node in enumerate(g.node):
         name = node.name or f"{node.op_type}_{i}"
         base, k = name, 1
@@ -257,6 +282,13 @@ def _uniquify_node_names(g: onnx.GraphProto) -> None:
             k += 1
         node.name = name
         seen.add(name)
+    for node in g.node:
+        for sub in _subgraphs(node):
+            _uniquify_node_names(sub, seen)
+
+
+def _subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    return [g for a in node.attribute for g in ([a.g] if a.HasField("g") else []) + list(a.graphs)]
 
 
 def _node_inputs(node: onnx.NodeProto) -> list[str]:
@@ -345,8 +377,15 @@ def _split_shared_initializers(g: onnx.GraphProto, blocked: set[str]) -> None:
 
 
 def _keep_float_value_info(g: onnx.GraphProto) -> None:
+    """Keep float value_info, minus entries for graph inputs/outputs.
+
+    Shape inference (sanitize's data_prop pass) can list a graph output in
+    value_info too; the converter then flips that copy to fp16 and
+    _retarget_float_casts turns the fp32 output Cast into an fp16 one.
+    """
     floats = (TensorProto.FLOAT, TensorProto.FLOAT16)
-    vi = [v for v in g.value_info if v.type.tensor_type.elem_type in floats]
+    io = {v.name for v in (*g.input, *g.output)}
+    vi = [v for v in g.value_info if v.type.tensor_type.elem_type in floats and v.name not in io]
     del g.value_info[:]
     g.value_info.extend(vi)
 
@@ -357,6 +396,7 @@ def _retarget_float_casts(g: onnx.GraphProto) -> int:
     onnxconverter-common 1.16 changes the output type but not the ``to`` attribute.
     """
     fp16 = {v.name for v in g.value_info if v.type.tensor_type.elem_type == TensorProto.FLOAT16}
+    fp16 -= {o.name for o in g.output if o.type.tensor_type.elem_type != TensorProto.FLOAT16}
     n = 0
     for node in g.node:
         if node.op_type == "Cast" and node.output[0] in fp16:
@@ -377,15 +417,18 @@ def _restore_fp32_outputs(g: onnx.GraphProto, names: list[str]) -> None:
     producer = {o: n for n in g.node for o in n.output}
     for name in names:
         out = outputs[name]
-        if out.type.tensor_type.elem_type == TensorProto.FLOAT or name not in producer:
+        node = producer.get(name)
+        if node is None:
             continue
-        out.type.tensor_type.elem_type = TensorProto.FLOAT
-        node = producer[name]
-        if node.op_type == "Cast":  # the converter's fp32 -> fp16 cast: retarget it
+        if node.op_type == "Cast":  # fp32 output cast, or the converter's fp32 -> fp16 one: make it fp32
+            out.type.tensor_type.elem_type = TensorProto.FLOAT
             for a in node.attribute:
                 if a.name == "to":
                     a.i = TensorProto.FLOAT
             continue
+        if out.type.tensor_type.elem_type == TensorProto.FLOAT:
+            continue
+        out.type.tensor_type.elem_type = TensorProto.FLOAT
         k = list(node.output).index(name)
         node.output[k] = f"{name}_fp16"
         g.node.append(helper.make_node("Cast", [node.output[k]], [name], to=TensorProto.FLOAT, name=f"{name}_cast_fp32"))
@@ -443,3 +486,142 @@ def _bypass_cast_round_trips(g: onnx.GraphProto) -> int:
             return len(rename)
         del g.node[:]
         g.node.extend(keep)
+
+
+FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16)
+# Ops whose output type doesn't follow their input's float type: never need an
+# outer-scope Cast (Identity does: an fp32 input would leak fp32 into fp16 code).
+ANY_TYPE_OPS = ("Cast", "Shape", "Size")
+
+
+def _fix_outer_scope_refs(top: onnx.GraphProto, op_block: set[str], node_block: set[str]) -> int:
+    """Make subgraph references to outer-scope float tensors match the subgraph's precision.
+
+    A subgraph converted with its node expects fp16; one of a kept-fp32 node (or
+    a kept-fp32 node inside any subgraph) expects fp32.  The outer tensor may be
+    of the other type: fp32 graph inputs (kept for drop-in I/O), fp32
+    initializers of fp32 nodes, fp16 outputs of converted nodes.  Each mismatch
+    gets one Cast in the scope that defines the tensor, and the reference is
+    renamed.  Returns the number of Casts added.
+    """
+    casts: dict[tuple[int, str, int], str] = {}
+    taken = _all_names(top)
+
+    def types_of(g):
+        t = {v.name: v.type.tensor_type.elem_type for v in g.value_info}
+        t.update({v.name: v.type.tensor_type.elem_type for v in g.output})
+        t.update({v.name: v.type.tensor_type.elem_type for v in g.input})
+        t.update({i.name: i.data_type for i in g.initializer})
+        for n in g.node:
+            if n.op_type == "Cast":
+                t[n.output[0]] = next(a.i for a in n.attribute if a.name == "to")
+            elif n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
+                t[n.output[0]] = n.attribute[0].t.data_type
+        return t
+
+    def defined_in(g):
+        names = {v.name for v in g.input} | {i.name for i in g.initializer}
+        names.update(o for n in g.node for o in n.output)
+        return names
+
+    def fix(name, want, scopes):
+        for g, types, defined in reversed(scopes):
+            if name in defined:
+                break
+        else:
+            return name  # unknown name: leave it to the checker
+        have = types.get(name)
+        if have not in FLOATS or have == want:
+            return name
+        key = (id(g), name, want)
+        if key not in casts:
+            base = f"{name}_{'fp16' if want == TensorProto.FLOAT16 else 'fp32'}_outer"
+            new, k = base, 1
+            while new in taken:
+                new, k = f"{base}_{k}", k + 1
+            taken.add(new)
+            g.node.append(helper.make_node("Cast", [name], [new], to=want, name=new))
+            like = next((v for v in (*g.value_info, *g.input, *g.output) if v.name == name), None)
+            if like is not None:
+                v = g.value_info.add()
+                v.CopyFrom(like)
+                v.name = new
+                v.type.tensor_type.elem_type = want
+            types[new] = want
+            defined.add(new)
+            casts[key] = new
+        return casts[key]
+
+    def visit(g, scopes, converted):
+        own = (g, types_of(g), defined_in(g))
+        chain = [*scopes, own]
+        local = own[2]
+        for node in list(g.node):
+            blocked = node.op_type in op_block or node.name in node_block
+            if scopes and node.op_type not in ANY_TYPE_OPS:
+                want = TensorProto.FLOAT16 if converted and not blocked else TensorProto.FLOAT
+                for i, name in enumerate(node.input):
+                    if name and name not in local:
+                        node.input[i] = fix(name, want, scopes)
+            for sub in _subgraphs(node):
+                visit(sub, chain, converted and not blocked)
+
+    visit(top, [], True)
+    return len(casts)
+
+
+def _all_names(g: onnx.GraphProto, names: set[str] | None = None) -> set[str]:
+    names = set() if names is None else names
+    names.update(v.name for v in (*g.input, *g.output, *g.value_info))
+    names.update(i.name for i in g.initializer)
+    for n in g.node:
+        names.update(n.input)
+        names.update(n.output)
+        for sub in _subgraphs(n):
+            _all_names(sub, names)
+    return names
+
+
+def _float_content(g: onnx.GraphProto, acc: dict | None = None) -> dict:
+    """Float weight elements by type and the number of fp16 tensors/Casts, subgraphs included."""
+    acc = {"fp16_weights": 0, "fp32_weights": 0, "fp16_tensors": 0} if acc is None else acc
+    key = {TensorProto.FLOAT16: "fp16_weights", TensorProto.FLOAT: "fp32_weights"}
+
+    def weight(t):
+        if t.data_type in key:
+            acc[key[t.data_type]] += int(np.prod(t.dims, dtype=np.int64))
+            acc["fp16_tensors"] += t.data_type == TensorProto.FLOAT16
+
+    for t in g.initializer:
+        weight(t)
+    for v in (*g.input, *g.output, *g.value_info):
+        acc["fp16_tensors"] += v.type.tensor_type.elem_type == TensorProto.FLOAT16
+    for n in g.node:
+        for a in n.attribute:
+            if a.HasField("t"):
+                weight(a.t)
+            for t in a.tensors:
+                weight(t)
+        if n.op_type == "Cast":
+            acc["fp16_tensors"] += any(a.name == "to" and a.i == TensorProto.FLOAT16 for a in n.attribute)
+        for sub in _subgraphs(n):
+            _float_content(sub, acc)
+    return acc
+
+
+def _unchanged_stats(m: onnx.ModelProto, content: dict, t0: float) -> dict:
+    """Stats for a model returned as is (already mostly fp16)."""
+    return {
+        "fp16_nodes": len(m.graph.node),
+        "fp32_nodes": 0,
+        "kept_fp32_ops": {},
+        "fp32_reasons": {},
+        "constants_folded": 0,
+        "casts_added": 0,
+        "casts_retargeted": 0,
+        "cast_round_trips_removed": 0,
+        "outer_scope_casts": 0,
+        "fp16_tensors_before": content["fp16_tensors"],
+        "already_fp16": True,
+        "seconds": round(time.perf_counter() - t0, 3),
+    }

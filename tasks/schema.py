@@ -48,7 +48,7 @@ class ModelConfig:
     source: Optional[str] = None  # path or pkg://PACKAGE/REL/PATH (format onnx)
     factory: Optional[str] = None  # "module.path:callable" (format torch)
     inputs: Dict[str, TensorSpec] = field(default_factory=dict)  # torch: forward() args in order
-    opset: int = 17  # torch export opset
+    opset: int = 18  # torch export opset (the dynamo exporter's lowest)
     profiles: List[Dict[str, DimRange]] = field(default_factory=list)
     # per input, per dim: drawn shapes are multiples of this (PP-OCR det needs H and W divisible by 32)
     shape_multiple: Dict[str, List[int]] = field(default_factory=dict)

@@ -322,3 +322,254 @@ def test_graph_output_from_fp32_node_stays_fp32():
     x = np.random.default_rng(3).random((1, 3, 4, 4)).astype(np.float32)
     for a, b in zip(_run(fp32, x), _run(fp16, x)):
         assert b.dtype == np.float32 and _cosine(a, b) >= MIN_COSINE
+
+
+# ------------------------------------------------ failure modes of real models
+
+
+def _ort_io(model, feeds):
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = {i.name for i in sess.get_inputs()}
+    return sess.run(None, {k: v for k, v in feeds.items() if k in names})
+
+
+def _trt_build(model, profiles=None):
+    """TensorRT-RTX parse (errors asserted) and, given {input: (min, opt, max)}, build."""
+    trt = pytest.importorskip("tensorrt_rtx_bindings")
+    logger = trt.Logger(trt.Logger.ERROR)
+    builder = trt.Builder(logger)
+    net = builder.create_network(0)
+    parser = trt.OnnxParser(net, logger)
+    ok = parser.parse(model.SerializeToString())
+    assert ok, [str(parser.get_error(i)) for i in range(parser.num_errors)]
+    if profiles is None:
+        return None
+    cfg = builder.create_builder_config()
+    cfg.num_compute_capabilities = 1
+    cfg.set_compute_capability(trt.ComputeCapability.SM86, 0)
+    prof = builder.create_optimization_profile()
+    for name, shapes in profiles.items():
+        prof.set_shape(name, *shapes)
+    cfg.add_optimization_profile(prof)
+    engine = builder.build_serialized_network(net, cfg)
+    assert engine is not None, "TensorRT-RTX build failed"
+    return engine.nbytes
+
+
+def _yolo_head_model(with_max=False):
+    """YOLOv8-style head (NudeNet 320n): output0 = Concat(boxes + shape-only
+    anchor grid, Sigmoid(scores)); optionally output1 from Max (a blocked op).
+    As in the exported model, the graph outputs are listed in value_info too:
+    the converter flipped that copy to fp16, and the fp32 output Cast then became
+    an fp16 one (ORT: "Type (tensor(float)) of output arg (output0) of node
+    (concat_cast_to_output0) does not match expected type"); with the Max output
+    onnxconverter-common's cast cleanup raised "The downstream node of the second
+    cast node should be graph output"."""
+    rng = np.random.default_rng(4)
+    w = nh.from_array((rng.normal(size=(6, 3, 1, 1)) * 0.3).astype(np.float32), "w")
+    inits = [
+        w,
+        nh.from_array(np.array([0, 2, 4], np.int64), "split"),
+        nh.from_array(np.array(3, np.int64), "i3"),
+        nh.from_array(np.array(0, np.int64), "zero"),
+        nh.from_array(np.array(1, np.int64), "one"),
+        nh.from_array(np.array([1, 1, -1], np.int64), "grid_shape"),
+        nh.from_array(np.array(8.0, np.float32), "stride"),
+        nh.from_array(np.array([1, 2, -1], np.int64), "flat2"),
+        nh.from_array(np.array([1, 4, -1], np.int64), "flat4"),
+        nh.from_array(np.array(0.0, np.float32), "fzero"),
+    ]
+    nodes = [
+        oh.make_node("Conv", ["images", "w"], ["feat"], name="conv"),
+        oh.make_node("Slice", ["feat", "zero_1d", "two_1d", "one_1d"], ["box"], name="slice_box"),
+        oh.make_node("Slice", ["feat", "two_1d", "six_1d", "one_1d"], ["cls"], name="slice_cls"),
+        # anchor grid from the input width: Shape -> Gather -> Range -> Cast -> Mul(stride)
+        oh.make_node("Shape", ["feat"], ["shp"], name="shape"),
+        oh.make_node("Gather", ["shp", "i3"], ["wid"], name="gather_w"),
+        oh.make_node("Range", ["zero", "wid", "one"], ["ar"], name="range"),
+        oh.make_node("Cast", ["ar"], ["ar_f"], to=TP.FLOAT, name="cast_ar"),
+        oh.make_node("Mul", ["ar_f", "stride"], ["grid"], name="grid_mul"),
+        oh.make_node("Reshape", ["grid", "grid_shape"], ["grid4"], name="grid_reshape"),
+        oh.make_node("Add", ["box", "grid4"], ["box_g"], name="box_add"),
+        oh.make_node("Reshape", ["box_g", "flat2"], ["box_f"], name="box_flat"),
+        oh.make_node("Sigmoid", ["cls"], ["cls_s"], name="sigmoid"),
+        oh.make_node("Reshape", ["cls_s", "flat4"], ["cls_f"], name="cls_flat"),
+        oh.make_node("Concat", ["box_f", "cls_f"], ["output0"], axis=1, name="concat"),
+    ]
+    for name, v in (("zero_1d", 0), ("one_1d", 1), ("two_1d", 2), ("six_1d", 6)):
+        inits.append(nh.from_array(np.array([v], np.int64), name))
+    out0 = oh.make_tensor_value_info("output0", TP.FLOAT, [1, 6, "A"])
+    outputs = [out0]
+    if with_max:
+        nodes.append(oh.make_node("Max", ["cls_f", "fzero"], ["output1"], name="max"))
+        outputs.append(oh.make_tensor_value_info("output1", TP.FLOAT, [1, 4, "A"]))
+    graph = oh.make_graph(
+        nodes, "yolo_head", [oh.make_tensor_value_info("images", TP.FLOAT, [1, 3, "H", "W"])], outputs, inits,
+        value_info=outputs,
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize("with_max", [False, True])
+def test_graph_output_listed_in_value_info_stays_fp32(with_max):
+    fp32 = _yolo_head_model(with_max)
+    onnx.checker.check_model(fp32, full_check=True)
+    fp16, stats = _convert(fp32)
+    _check_structure(fp32, fp16)
+    assert stats["fp32_reasons"].get("shape_only", 0) >= 4
+    assert stats["kept_fp32_ops"].get("Max", 0) == with_max
+    producers = {o: n for n in fp16.graph.node for o in n.output}
+    for name in [o.name for o in fp32.graph.output]:
+        assert producers[name].op_type == "Cast" and producers[name].attribute[0].i == TP.FLOAT
+    x = np.random.default_rng(5).random((1, 3, 8, 12)).astype(np.float32)
+    for a, b in zip(_run_images(fp32, x), _run_images(fp16, x)):
+        assert b.dtype == np.float32 and _cosine(a, b) >= MIN_COSINE
+
+
+def _run_images(model, x):
+    return _ort_io(model, {"images": x})
+
+
+def test_graph_output_listed_in_value_info_tensorrt_build():
+    # dynamic H/W: the shape-only anchor grid must stay fp32 for the builder
+    fp16, _ = _convert(_yolo_head_model(with_max=True))
+    assert _trt_build(fp16, {"images": ((1, 3, 8, 8), (1, 3, 16, 16), (1, 3, 32, 48))}) > 0
+
+
+def _if_model():
+    """Silero-VAD-style If: the branches read the fp32 graph input ``state`` (also
+    used by a top-level Shape, kept fp32), a top-level fp16 tensor, an outer
+    initializer, and a nested If reads ``state`` two scopes up; a Max (blocked,
+    fp32) inside a branch reads a top-level tensor.  The converter used to point
+    the branches at a per-consumer input Cast that was removed afterwards
+    (TensorRT: "Node input was not registered"; ORT: not topologically sorted)."""
+    rng = np.random.default_rng(6)
+    inits = [
+        nh.from_array((rng.normal(size=(4, 4)) * 0.5).astype(np.float32), "w"),
+        nh.from_array(np.array(0, np.int64), "i0"),
+        nh.from_array(np.array(1, np.int64), "i1"),
+        nh.from_array(np.array(2, np.int64), "two"),
+        nh.from_array(np.array(0.5, np.float32), "half"),
+    ]
+    nested = oh.make_node(
+        "If", ["inner_cond"], ["nested_out"], name="nested_if",
+        then_branch=oh.make_graph(
+            [oh.make_node("Gather", ["state", "i1"], ["s1"], axis=0, name="then_gather1"),
+             oh.make_node("Mul", ["s1", "half"], ["nested_then"], name="then_mul_half")],
+            "nested_then", [], [oh.make_tensor_value_info("nested_then", TP.FLOAT, None)]),
+        else_branch=oh.make_graph(
+            [oh.make_node("Neg", ["hx"], ["nested_else"], name="else_neg")],
+            "nested_else", [], [oh.make_tensor_value_info("nested_else", TP.FLOAT, None)]),
+    )
+    then_branch = oh.make_graph(
+        [
+            oh.make_node("Gather", ["state", "i0"], ["s0"], axis=0, name="then_gather0"),
+            oh.make_node("MatMul", ["s0", "w"], ["s0w"], name="then_matmul"),
+            oh.make_node("Add", ["s0w", "hx"], ["s0wx"], name="then_add"),
+            oh.make_node("Greater", ["i1", "i0"], ["inner_cond"], name="then_greater"),
+            nested,
+            oh.make_node("Add", ["s0wx", "nested_out"], ["t_sum"], name="then_add2"),
+            oh.make_node("Max", ["t_sum", "hx"], ["then_out"], name="then_max"),
+        ],
+        "then", [], [oh.make_tensor_value_info("then_out", TP.FLOAT, None)],
+    )
+    else_branch = oh.make_graph(
+        [oh.make_node("Gather", ["state", "i1"], ["g1"], axis=0, name="else_gather"),
+         oh.make_node("Sub", ["g1", "hx"], ["else_out"], name="else_sub")],
+        "else", [], [oh.make_tensor_value_info("else_out", TP.FLOAT, None)],
+    )
+    nodes = [
+        # `state`'s last top-level consumer is the fp32 Shape (as in Silero VAD):
+        # the converter pointed the branches at its input Cast, removed later.
+        oh.make_node("Mul", ["state", "half"], ["stateN"], name="state_mul"),
+        oh.make_node("MatMul", ["x", "w"], ["xw"], name="matmul"),
+        oh.make_node("Tanh", ["xw"], ["hx"], name="tanh"),
+        oh.make_node("Shape", ["state"], ["sshape"], name="state_shape"),
+        oh.make_node("Gather", ["sshape", "i0"], ["sdim"], name="state_dim"),
+        oh.make_node("Equal", ["sdim", "two"], ["cond"], name="equal"),
+        oh.make_node("If", ["cond"], ["branch_out"], then_branch=then_branch, else_branch=else_branch, name="if"),
+        oh.make_node("Relu", ["branch_out"], ["y"], name="relu"),
+    ]
+    graph = oh.make_graph(
+        nodes, "if_outer",
+        [oh.make_tensor_value_info("x", TP.FLOAT, ["N", 4]), oh.make_tensor_value_info("state", TP.FLOAT, ["S", "N", 4])],
+        [oh.make_tensor_value_info("y", TP.FLOAT, ["N", 4]), oh.make_tensor_value_info("stateN", TP.FLOAT, ["S", "N", 4])],
+        inits,
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)
+    return onnx.shape_inference.infer_shapes(model, data_prop=True)  # as tasks.export.sanitize does
+
+
+def _walk_graphs(g):
+    yield g
+    for n in g.node:
+        for a in n.attribute:
+            for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                yield from _walk_graphs(sub)
+
+
+def test_if_branch_reads_outer_scope_tensors():
+    fp32 = _if_model()
+    onnx.checker.check_model(fp32, full_check=True)
+    fp16, stats = _convert(fp32)
+    _check_structure(fp32, fp16)
+    assert stats["outer_scope_casts"] >= 2  # fp16 copy of `state`, fp32 copy of `hx` for Max
+    # every outer-scope reference resolves to a tensor defined in an enclosing scope
+    top = fp16.graph
+    defined = {v.name for v in top.input} | {t.name for t in top.initializer} | {o for n in top.node for o in n.output}
+    for g in list(_walk_graphs(top))[1:]:
+        defined |= {o for n in g.node for o in n.output}
+    for g in _walk_graphs(top):
+        assert all(i in defined for n in g.node for i in n.input if i)
+    rng = np.random.default_rng(7)
+    feeds = {"x": rng.normal(size=(3, 4)).astype(np.float32), "state": rng.normal(size=(2, 3, 4)).astype(np.float32)}
+    for a, b in zip(_ort_io(fp32, feeds), _ort_io(fp16, feeds)):
+        assert b.dtype == np.float32 and _cosine(a, b) >= MIN_COSINE
+    # the else branch too (state of another leading size)
+    feeds["state"] = rng.normal(size=(3, 3, 4)).astype(np.float32)
+    for a, b in zip(_ort_io(fp32, feeds), _ort_io(fp16, feeds)):
+        assert _cosine(a, b) >= MIN_COSINE
+
+
+def test_if_branch_reads_outer_scope_tensors_tensorrt_build():
+    fp16, _ = _convert(_if_model())
+    assert _trt_build(fp16, {"x": ((1, 4), (2, 4), (8, 4)), "state": ((2, 1, 4), (2, 2, 4), (3, 8, 4))}) > 0
+
+
+def test_model_already_fp16_returned_unchanged():
+    fp16_model, _ = _convert(_tiny_model())
+    assert any(t.data_type == TP.FLOAT16 for t in fp16_model.graph.initializer)
+    again, stats = _convert(fp16_model)  # used to raise ValueError
+    assert stats["already_fp16"] and stats["fp16_tensors_before"] > 0
+    assert again.SerializeToString() == fp16_model.SerializeToString()
+    assert again is not fp16_model
+
+
+def test_fp32_model_with_fp16_island_converts_the_rest():
+    # Mostly fp32 weights plus an explicit fp16 part (Cast -> fp16 Mul -> Cast back).
+    rng = np.random.default_rng(8)
+    inits = [
+        nh.from_array((rng.normal(size=(16, 16)) * 0.25).astype(np.float32), "w"),
+        nh.from_array(np.array([0.5, 2.0] * 8, np.float16), "scale16"),
+    ]
+    nodes = [
+        oh.make_node("MatMul", ["x", "w"], ["xw"], name="matmul"),
+        oh.make_node("Cast", ["xw"], ["xw16"], to=TP.FLOAT16, name="to16"),
+        oh.make_node("Mul", ["xw16", "scale16"], ["sc16"], name="mul16"),
+        oh.make_node("Cast", ["sc16"], ["sc"], to=TP.FLOAT, name="to32"),
+        oh.make_node("Relu", ["sc"], ["r"], name="relu"),
+        oh.make_node("MatMul", ["r", "w"], ["y"], name="matmul2"),
+    ]
+    graph = oh.make_graph(
+        nodes, "island", [oh.make_tensor_value_info("x", TP.FLOAT, ["N", 16])],
+        [oh.make_tensor_value_info("y", TP.FLOAT, ["N", 16])], inits,
+    )
+    fp32 = onnx.shape_inference.infer_shapes(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=8))
+    fp16, stats = _convert(fp32)
+    assert not stats["already_fp16"] and stats["fp16_tensors_before"] > 0
+    _check_structure(fp32, fp16)
+    inits16 = {t.name: t for t in fp16.graph.initializer}
+    assert inits16["scale16"].data_type == TP.FLOAT16 and inits16["w"].data_type == TP.FLOAT16
+    x = rng.normal(size=(5, 16)).astype(np.float32)
+    a, b = _ort_io(fp32, {"x": x})[0], _ort_io(fp16, {"x": x})[0]
+    assert b.dtype == np.float32 and _cosine(a, b) >= MIN_COSINE
