@@ -100,7 +100,7 @@ def versions(ctx: stages.BuildContext) -> dict[str, str]:
 
     from tasks.backend import host_gpus
 
-    v = {"trtforge": stages.TRTFORGE_VERSION, "backend": ctx.backend.version, "onnx": onnx.__version__,
+    v = {"trtforge": stages.TRTFORGE_VERSION, "code": stages.CODE, "backend": ctx.backend.version, "onnx": onnx.__version__,
          "onnxruntime": onnxruntime.__version__, "python": sys.version.split()[0]}
     gpus = host_gpus()
     v["gpu"] = ", ".join(f"{g.name} (sm {g.compute_capability})" for g in gpus) or "none"

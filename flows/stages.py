@@ -19,6 +19,22 @@ from tasks.util import StageResult, sha256_file
 TRTFORGE_VERSION = "0.1.0"
 
 
+def _code_fingerprint() -> str:
+    """Hash of the stage code (tasks/*.py and this module): part of every cache key, so a changed conversion,
+    calibration or check never serves an output made by the old code (like Prefect's TASK_SOURCE policy)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    here = Path(__file__).resolve()
+    for f in sorted(here.parents[1].joinpath("tasks").glob("*.py")) + [here]:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+CODE = _code_fingerprint()
+
+
 class Skip(Exception):
     """A stage that does not apply, or cannot run on this host; the message is the reason."""
 
@@ -48,7 +64,7 @@ class BuildContext:
         """Serve a stage's output from the content-addressed cache, or compute and publish it. A stage whose every
         lookup hit reports `cached`. `entry` names the cache folder when a stage keeps several (calibrate)."""
         entry = entry or stage
-        key = self.cache.key(entry, {"trtforge": TRTFORGE_VERSION, **parts})
+        key = self.cache.key(entry, {"trtforge": TRTFORGE_VERSION, "code": CODE, **parts})
         hit = self.cache.get(entry, key)
         hits = self.stages.setdefault(stage, {}).setdefault("_hits", [])
         hits.append(hit is not None)

@@ -49,6 +49,11 @@ def plan_from_onnx(onnx_path: Path, partition_cfg: Any, backend: Backend, out_di
         if 0 <= e["node"] < len(nodes):
             reasons.setdefault(e["node"], e["reason"] or "not supported by the TensorRT ONNX parser")
     exclude = set(partition_cfg["exclude_ops"] or [])
+    trt_domains = set(partition_cfg.get("trt_domains", ["trt", "trt.plugins"]) or []) | {"", "ai.onnx"}
+    foreign = {i for i, n in enumerate(nodes) if n.domain not in trt_domains}
+    for i in foreign:
+        reasons.setdefault(i, f"op {nodes[i].op_type} of domain {nodes[i].domain} runs in ONNX Runtime (TensorRT's parser reads "
+                      f"ops by name only; add the domain to partition.trt_domains to let TensorRT take it)")
     trt_nodes: set[int] = set()
     small: list[int] = []
     supported = [sg["nodes"] for sg in with_parser.subgraphs if sg["supported"]]
@@ -58,7 +63,7 @@ def plan_from_onnx(onnx_path: Path, partition_cfg: Any, backend: Backend, out_di
         for sg in unsupported:
             supported += refine(model, sg, backend, shapes, reasons)
     for sg in supported:
-        keep = [i for i in sg if nodes[i].op_type not in exclude]
+        keep = [i for i in sg if nodes[i].op_type not in exclude and i not in foreign]
         trt_nodes.update(keep)
     for i in range(len(nodes)):
         if nodes[i].op_type in exclude:

@@ -107,6 +107,10 @@ class PartitionConfig:
     strict: bool = False
     # TensorRT can parse If/Loop/Scan and still fail to build them: then run them in ONNX Runtime and re-plan
     control_flow_fallback: bool = True
+    # ops from other domains (com.microsoft contrib ops, custom ops) run in ONNX Runtime: TensorRT's parser reads
+    # them by name only, which is right only when a same-named ONNX op means the same. Domains listed here
+    # (TensorRT plugin namespaces) are left to the parser's verdict.
+    trt_domains: List[str] = field(default_factory=lambda: ["trt", "trt.plugins"])
 
 
 @dataclass

@@ -78,3 +78,14 @@ def test_fragmentation_is_warned_about(tmp_path):
     r = plan(m, tmp_path)
     assert r.metrics["trt_subgraphs"] == 6
     assert any("fragmented" in w for w in r.details["warnings"])
+
+
+def test_contrib_op_the_parser_would_read_by_name_still_runs_natively(tmp_path):
+    """TensorRT's parser accepts com.microsoft::Gelu as if it were ONNX Gelu; trtforge keeps foreign domains native."""
+    m = make_hybrid_model(tmp_path / "gelu.onnx", contrib_ops=("Gelu", "QuickGelu"))
+    r = plan(m, tmp_path)
+    assert r.metrics["trt_subgraphs"] == 3
+    gelu = next(f for f in r.details["fallback_nodes"] if f["op"] == "Gelu")
+    assert "domain com.microsoft" in gelu["reason"] and "partition.trt_domains" in gelu["reason"]
+    r2 = plan(m, tmp_path / "trusting", cfg={**CFG, "trt_domains": ["com.microsoft"]})
+    assert "contrib_Gelu_0" not in {f["name"] for f in r2.details["fallback_nodes"]}  # the parser's verdict now
