@@ -58,12 +58,17 @@ class EngineRunner:
         self.inputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
         self.outputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
         self._buffers: dict[str, object] = {}
+        self._dtypes: dict[str, np.dtype] = {}
 
     def _device(self, name: str, shape, dtype):
+        """A device buffer per tensor, reallocated when its dtype changes and resized to each shape."""
+        dtype = np.dtype(dtype)
         buf = self._buffers.get(name)
-        if buf is None or buf.dtype != dtype:
+        if buf is None or self._dtypes.get(name) != dtype:
+            if buf is not None:
+                buf.free()
             buf = self.cuda.DeviceArray(shape=tuple(shape), dtype=dtype)
-            self._buffers[name] = buf
+            self._buffers[name], self._dtypes[name] = buf, dtype
         else:
             buf.resize(tuple(shape))
         return buf
@@ -88,7 +93,7 @@ class EngineRunner:
         out = {}
         for name in self.outputs:
             dev = self._buffers[name]
-            host = np.empty(dev.shape, dtype=dev.dtype)
+            host = np.empty(tuple(dev.shape), dtype=self._dtypes[name])
             dev.copy_to(host, stream=self.stream)
             out[name] = host
         self.stream.synchronize()
