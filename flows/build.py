@@ -147,6 +147,12 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             print(f"trtforge: error: {e.render()}", file=sys.stderr)
             code = max(code, e.exit_code)
+        except Exception as e:  # a bug or an environment failure (e.g. the tracking store): short, then non-zero
+            if os.environ.get("TRTFORGE_TRACEBACK"):
+                raise
+            print(f"trtforge: internal error: {type(e).__name__}: {str(e)[:500]}\n"
+                  "  fix: rerun with TRTFORGE_TRACEBACK=1 for the traceback and report it", file=sys.stderr)
+            code = max(code, 1)
     return code
 
 

@@ -27,7 +27,10 @@ def parse_args(argv: list[str]):
     p.add_argument("overrides", nargs="*")
     args, unknown = p.parse_known_args(argv)
     if args.help:
-        print(USAGE)
+        try:
+            print(USAGE)
+        except BrokenPipeError:  # `| head`
+            pass
         return None
     if unknown:
         print(f"trtforge: error: unknown option {unknown[0]!r}\n  fix: see python -m flows.build --help", file=sys.stderr)
@@ -88,6 +91,7 @@ def print_summary(summary: dict, seconds: float) -> None:
     c.print(f"  summary  {summary['out_dir']}/summary.json")
     run = summary.get("mlflow") or {}
     if run:
-        c.print(f"  mlflow   run {run['run_id']} (experiment {run['experiment_id']}) in {run['tracking_uri']}  — browse: make ui")
+        c.print(f"  mlflow   run {run['run_id']} in {run['tracking_uri']}")
+        c.print(f"           make ui → http://127.0.0.1:5000/#/experiments/{run['experiment_id']}/runs/{run['run_id']}")
 
 
