@@ -260,3 +260,22 @@ def test_hybrid_int8_quantizes_inside_the_tensorrt_subgraphs(prefect_harness, hy
     assert m["quantized_layers"] + m["fallback_layers"] == 6 and m["quantized_layers"] >= 3
     assert m["cosine_min"] >= 0.98
     assert [e["file"] for e in s["engines"]] == [f"hybrid.sm_86.int8.sg{i}.engine" for i in (0, 2, 4)]
+
+
+def _gpu_target():
+    from tasks.backend import gpu_for
+
+    return next((f"sm_{cc.replace('.', '')}" for cc in ("7.5", "8.0", "8.6", "8.9", "12.0", "12.1") if gpu_for(cc)), None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_target() is None, reason="no NVIDIA GPU of a TensorRT-RTX compute capability on this host")
+def test_on_a_supported_gpu_the_engines_are_validated_and_timed(prefect_harness, hybrid_conf, tiny_calibration, tmp_path):
+    target = _gpu_target()
+    s = build(["model=hybrid", f"target={target}", "precision=int8", f"calibration.data={tiny_calibration}",
+               "calibration.method=minmax", "accuracy.min_cosine=0.98"], hybrid_conf, tmp_path)
+    assert s["status"] == "ok", s.get("error")
+    v = json.loads((Path(s["out_dir"]) / "validation.json").read_text())
+    assert v["engine"]["status"] == "ok" and v["engine"]["cosine_min"] >= 0.98
+    b = json.loads((Path(s["out_dir"]) / "benchmark.json").read_text())
+    assert b["engine"]["p50_ms"] > 0 and s["metrics"]["trt_p50_ms"] > 0
