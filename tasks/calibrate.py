@@ -228,7 +228,7 @@ def _prepare(src: Path, dst: Path, feeds, ref) -> tuple[Path, dict]:
     """opset >= 13, Constants folded into initializers, every node named; checked against the original."""
     import onnx
 
-    from .precision import _fold_constants, _uniquify_node_names
+    from .graph import fold_constants, uniquify_node_names
 
     model = onnx.load(str(src))
     info: dict = {"opset_in": _opset(model)}
@@ -245,8 +245,8 @@ def _prepare(src: Path, dst: Path, feeds, ref) -> tuple[Path, dict]:
             info["opset_upgrade"] = f"relabelled ({type(e).__name__}: {str(e)[:120]})"
     info["opset"] = _opset(model)
     if model.ir_version >= 4:
-        info["constants_folded"] = _fold_constants(model.graph)
-    _uniquify_node_names(model.graph)
+        info["constants_folded"] = fold_constants(model.graph)
+    uniquify_node_names(model.graph)
     onnx.save(model, str(dst))
     sess = _session(dst.read_bytes(), dst)
     cos = min(_cosine(_run(sess, f), r) for f, r in zip(feeds, ref))

@@ -76,21 +76,13 @@ def sanitize(model) -> tuple[Any, list[str]]:
     - shape inference fills in value_info for the later precision passes.
     """
     import onnx
-    from onnx import numpy_helper
+
+    from .graph import fold_constants
 
     notes: list[str] = []
     g = model.graph
-    keep, folded = [], 0
-    for node in g.node:
-        if node.op_type == "Constant" and len(node.output) == 1 and node.attribute and node.attribute[0].name == "value":
-            t = numpy_helper.to_array(node.attribute[0].t)
-            g.initializer.append(numpy_helper.from_array(t, node.output[0]))
-            folded += 1
-        else:
-            keep.append(node)
+    folded = fold_constants(g) if model.ir_version >= 4 else 0  # IR < 4: initializers must also be inputs
     if folded:
-        del g.node[:]
-        g.node.extend(keep)
         notes.append(f"{folded} Constant nodes folded into initializers")
     inits = {i.name for i in g.initializer}
     for inp in g.input:

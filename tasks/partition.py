@@ -14,7 +14,7 @@ import numpy as np
 
 from .backend import Backend
 from .errors import StageError
-from .segments import Segment, boundary_profiles, extract_segment, segments_from_assignment
+from .segments import Segment, boundary_names, extract_segment, segments_from_assignment, shape_ranges
 from .util import StageResult, write_json
 
 FRAGMENTED = 4  # more TensorRT segments than this: boundaries likely cost more than TensorRT saves
@@ -59,7 +59,8 @@ def plan_from_onnx(onnx_path: Path, partition_cfg: Any, backend: Backend, out_di
     supported = [sg["nodes"] for sg in with_parser.subgraphs if sg["supported"]]
     unsupported = [sg["nodes"] for sg in with_parser.subgraphs if not sg["supported"]]
     if unsupported:  # the parser's subgraphs are coarse: narrow each failing one down to the nodes that fail
-        shapes = tensor_shapes(model, [f for fs in feeds() for f in fs[:2]])
+        every = [o for n in model.graph.node for o in n.output if o] + [i.name for i in model.graph.input]
+        shapes = _shape_ranges(model, every, [f for fs in feeds() for f in fs[:2]], onnx_path)
         for sg in unsupported:
             supported += refine(model, sg, backend, shapes, reasons)
     for sg in supported:
@@ -105,13 +106,7 @@ def plan_from_onnx(onnx_path: Path, partition_cfg: Any, backend: Backend, out_di
         report_and_fail(f"partition.strict=true and {len(fallback)} of {len(nodes)} nodes would fall back to ONNX Runtime",
                         "set partition.strict=false to run them natively, or replace those ops")
     if hybrid:
-        try:
-            shapes = [boundary_profiles(segments, fs, model) for fs in feeds()]
-        except Exception as e:
-            native = sorted({f"{f['op']} ({f['domain']})" for f in fallback_nodes})
-            raise StageError(f"the fallback nodes cannot run in ONNX Runtime either ({native}): {str(e).splitlines()[0][:300]}",
-                             stage="partition", file=str(onnx_path),
-                             fix="register the custom op's ONNX Runtime library, or replace the op") from None
+        shapes = [_shape_ranges(model, boundary_names(segments), fs, onnx_path) for fs in feeds()]
         for s in segments:
             s.onnx = f"segment{s.index}.{s.kind}.onnx"
             extract_segment(model, s, shapes[0], out_dir / s.onnx)
@@ -138,25 +133,14 @@ def plan_from_onnx(onnx_path: Path, partition_cfg: Any, backend: Backend, out_di
     return StageResult(files=files, metrics=metrics, details=plan)
 
 
-def tensor_shapes(model, feeds: list[dict[str, np.ndarray]]) -> dict[str, dict]:
-    """dtype and shape range of every tensor, from running the fp32 model (native ops included) in ONNX Runtime."""
-    from .segments import run_with_intermediates
-
-    names = [o for n in model.graph.node for o in n.output if o] + [i.name for i in model.graph.input]
+def _shape_ranges(model, names: list[str], feeds: list, onnx_path: Path) -> dict[str, dict]:
+    """Shapes of tensors from running the fp32 model in ONNX Runtime: nodes TensorRT cannot take must run there."""
     try:
-        runs = run_with_intermediates(model, names, feeds)
+        return shape_ranges(model, names, feeds)
     except Exception as e:
-        raise StageError(f"ONNX Runtime cannot run the model to find its tensor shapes: {str(e).splitlines()[0][:300]}",
-                         stage="partition", fix="nodes TensorRT cannot take must run in ONNX Runtime; register custom "
-                         "ops or replace them") from None
-    out = {}
-    for name in runs[0]:
-        shapes = [list(r[name].shape) for r in runs if name in r]
-        if len({len(s) for s in shapes}) != 1:
-            continue
-        out[name] = {"min": [min(d) for d in zip(*shapes)], "opt": shapes[-1], "max": [max(d) for d in zip(*shapes)],
-                     "dtype": str(runs[0][name].dtype)}
-    return out
+        raise StageError(f"the model cannot run in ONNX Runtime either, where the nodes TensorRT cannot take would run: "
+                         f"{str(e).splitlines()[0][:300]}", stage="partition", file=str(onnx_path),
+                         fix="register the custom op's ONNX Runtime library, or replace the op") from None
 
 
 def refine(model, node_ids: list[int], backend: Backend, shapes: dict[str, dict], reasons: dict[int, str],

@@ -14,6 +14,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from .graph import fold_constants, node_inputs, subgraphs, uniquify_node_names
+
 FP16_MAX = 65504.0
 # Initializers whose fp16 rounding error (relative L2) exceeds this keep their
 # consumers in fp32 (plain fp16 rounding is <= 2**-11 ~ 4.9e-4; denormal
@@ -72,8 +74,8 @@ def _fp16_from_onnx(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
     m.CopyFrom(model)
     g = m.graph
 
-    folded = _fold_constants(g) if m.ir_version >= 4 else 0  # IR<4: initializers must be inputs
-    _uniquify_node_names(g)
+    folded = fold_constants(g) if m.ir_version >= 4 else 0  # IR<4: initializers must be inputs
+    uniquify_node_names(g)
 
     op_block = set(float16.DEFAULT_OP_BLOCK_LIST) | set(EXTRA_FP32_OPS)
     reasons: dict[str, str] = {}
@@ -101,7 +103,7 @@ def _fp16_from_onnx(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
     outer_casts = _fix_outer_scope_refs(g, op_block, set(reasons))
     if outer_casts:
         _toposort(g)
-    _uniquify_node_names(g)
+    uniquify_node_names(g)
     _drop_dangling_value_info(g)
 
     by_reason = collections.Counter(reasons.values())
@@ -200,7 +202,7 @@ def _toposort(g: onnx.GraphProto) -> None:
     """Stable topological sort (iterative DFS), recursing into subgraphs."""
     nodes = list(g.node)
     producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
-    deps = [[producer[x] for x in _node_inputs(n) if x in producer] for n in nodes]
+    deps = [[producer[x] for x in node_inputs(n) if x in producer] for n in nodes]
     done = [False] * len(nodes)
     order = []
     for root in range(len(nodes)):
@@ -228,77 +230,6 @@ def _toposort(g: onnx.GraphProto) -> None:
                 _toposort(sub)
 
 
-def _fold_constants(g: onnx.GraphProto) -> int:
-    """Move top-level Constant nodes into initializers.
-
-    The converter clamps Constant node attributes blindly; as initializers they
-    get range-checked and stay fp32 when consumed by a blocked node.
-    """
-    keep, n = [], 0
-    for node in g.node:
-        t = _constant_tensor(node) if node.op_type == "Constant" else None
-        if t is None:
-            keep.append(node)
-            continue
-        t.name = node.output[0]
-        g.initializer.append(t)
-        n += 1
-    if n:
-        del g.node[:]
-        g.node.extend(keep)
-    return n
-
-
-def _constant_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
-    a = node.attribute[0] if len(node.attribute) == 1 else None
-    if a is None:
-        return None
-    if a.name == "value":
-        t = TensorProto()
-        t.CopyFrom(a.t)
-        return t
-    simple = {
-        "value_float": (TensorProto.FLOAT, [], [a.f]),
-        "value_floats": (TensorProto.FLOAT, [len(a.floats)], list(a.floats)),
-        "value_int": (TensorProto.INT64, [], [a.i]),
-        "value_ints": (TensorProto.INT64, [len(a.ints)], list(a.ints)),
-    }
-    if a.name in simple:
-        dtype, dims, vals = simple[a.name]
-        return helper.make_tensor("", dtype, dims, vals)
-    return None  # sparse / string constants: leave as nodes
-
-
-def _uniquify_node_names(g: onnx.GraphProto, seen: set[str] | None = None) -> None:
-    # node_block_list matches by name and the converter derives Cast names
-    # from node names, so every node needs a distinct, non-empty name
-    # (subgraphs included: the converter processes them the same way).
-    seen = set() if seen is None else seen
-    for i, node in enumerate(g.node):
-        name = node.name or f"{node.op_type}_{i}"
-        base, k = name, 1
-        while name in seen:
-            name = f"{base}_{k}"
-            k += 1
-        node.name = name
-        seen.add(name)
-    for node in g.node:
-        for sub in _subgraphs(node):
-            _uniquify_node_names(sub, seen)
-
-
-def _subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
-    return [g for a in node.attribute for g in ([a.g] if a.HasField("g") else []) + list(a.graphs)]
-
-
-def _node_inputs(node: onnx.NodeProto) -> list[str]:
-    """Node inputs plus outer-scope names referenced from its subgraphs."""
-    names = [i for i in node.input if i]
-    for a in node.attribute:
-        for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
-            for n in sub.node:
-                names.extend(_node_inputs(n))
-    return names
 
 
 def _shape_only_nodes(g: onnx.GraphProto) -> list[str]:
@@ -312,7 +243,7 @@ def _shape_only_nodes(g: onnx.GraphProto) -> list[str]:
     data = {i.name for i in g.input if i.name not in inits}
     out = []
     for node in g.node:  # ONNX requires topological order
-        if node.op_type not in SHAPE_OPS and any(i in data for i in _node_inputs(node)):
+        if node.op_type not in SHAPE_OPS and any(i in data for i in node_inputs(node)):
             data.update(node.output)
         else:
             out.append(node.name)
@@ -328,7 +259,7 @@ def _range_unsafe_consumers(g: onnx.GraphProto) -> set[str]:
     }
     if not bad:
         return set()
-    return {n.name for n in g.node if bad.intersection(_node_inputs(n))}
+    return {n.name for n in g.node if bad.intersection(node_inputs(n))}
 
 
 def _fp16_rel_error(a: np.ndarray, chunk: int = 1 << 20) -> float:
@@ -480,7 +411,7 @@ def _bypass_cast_round_trips(g: onnx.GraphProto) -> int:
     while True:
         used = set(graph_outputs)
         for node in g.node:
-            used.update(_node_inputs(node))
+            used.update(node_inputs(node))
         keep = [n for n in g.node if n.op_type != "Cast" or n.output[0] in used]
         if len(keep) == len(g.node):
             return len(rename)
@@ -563,7 +494,7 @@ def _fix_outer_scope_refs(top: onnx.GraphProto, op_block: set[str], node_block: 
                 for i, name in enumerate(node.input):
                     if name and name not in local:
                         node.input[i] = fix(name, want, scopes)
-            for sub in _subgraphs(node):
+            for sub in subgraphs(node):
                 visit(sub, chain, converted and not blocked)
 
     visit(top, [], True)
@@ -577,7 +508,7 @@ def _all_names(g: onnx.GraphProto, names: set[str] | None = None) -> set[str]:
     for n in g.node:
         names.update(n.input)
         names.update(n.output)
-        for sub in _subgraphs(n):
+        for sub in subgraphs(n):
             _all_names(sub, names)
     return names
 
@@ -604,7 +535,7 @@ def _float_content(g: onnx.GraphProto, acc: dict | None = None) -> dict:
                 weight(t)
         if n.op_type == "Cast":
             acc["fp16_tensors"] += any(a.name == "to" and a.i == TensorProto.FLOAT16 for a in n.attribute)
-        for sub in _subgraphs(n):
+        for sub in subgraphs(n):
             _float_content(sub, acc)
     return acc
 

@@ -15,6 +15,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .graph import node_inputs
+
 NP_TO_ONNX = {np.dtype(np.float32): 1, np.dtype(np.uint8): 2, np.dtype(np.int8): 3, np.dtype(np.int32): 6,
               np.dtype(np.int64): 7, np.dtype(np.bool_): 9, np.dtype(np.float16): 10, np.dtype(np.float64): 11}
 
@@ -31,18 +33,6 @@ class Segment:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def _node_inputs(node) -> list[str]:
-    """Inputs of a node, including names its subgraphs (If/Loop bodies) read from the outer scope."""
-    names = [i for i in node.input if i]
-    for attr in node.attribute:
-        graphs = [attr.g] if attr.HasField("g") else list(attr.graphs)
-        for g in graphs:
-            inner = {o for n in g.node for o in n.output} | {i.name for i in g.input} | {i.name for i in g.initializer}
-            for n in g.node:
-                names += [i for i in _node_inputs(n) if i not in inner]
-    return names
 
 
 def segments_from_assignment(model, trt_nodes: set[int]) -> list[Segment]:
@@ -64,12 +54,12 @@ def segments_from_assignment(model, trt_nodes: set[int]) -> list[Segment]:
     consumers: dict[str, set[int]] = {}
     for s in segments:
         for i in s.nodes:
-            for name in _node_inputs(g.node[i]):
+            for name in node_inputs(g.node[i]):
                 consumers.setdefault(name, set()).add(s.index)
     for s in segments:
         ins: list[str] = []
         for i in s.nodes:
-            for name in _node_inputs(g.node[i]):
+            for name in node_inputs(g.node[i]):
                 if name not in inits and produced_in.get(name) != s.index and name not in ins:
                     ins.append(name)
         outs = []
@@ -114,14 +104,17 @@ def run_with_intermediates(model, names: list[str], feeds: list[dict[str, np.nda
     return results
 
 
-def boundary_profiles(segments: list[Segment], minoptmax: list[dict[str, np.ndarray]], model) -> dict[str, dict]:
-    """Each boundary tensor's shapes at the model's min, opt and max inputs -> {name: {min, opt, max, dtype}}."""
-    runs = run_with_intermediates(model, boundary_names(segments), minoptmax)
+def shape_ranges(model, names: list[str], feeds: list[dict[str, np.ndarray]], opt: int = 1) -> dict[str, dict]:
+    """dtype and shape range of the named tensors over runs of the fp32 model on `feeds` (feeds[opt] is the opt
+    shape) -> {name: {min, opt, max, dtype}}; tensors whose rank varies between runs are left out."""
+    runs = run_with_intermediates(model, names, feeds)
     out = {}
     for name in runs[0]:
-        shapes = [list(r[name].shape) for r in runs]
-        out[name] = {"min": [min(d) for d in zip(*shapes)], "opt": shapes[1], "max": [max(d) for d in zip(*shapes)],
-                     "dtype": str(runs[0][name].dtype)}
+        shapes = [list(r[name].shape) for r in runs if name in r]
+        if len({len(s) for s in shapes}) != 1:
+            continue
+        out[name] = {"min": [min(d) for d in zip(*shapes)], "opt": shapes[min(opt, len(shapes) - 1)],
+                     "max": [max(d) for d in zip(*shapes)], "dtype": str(runs[0][name].dtype)}
     return out
 
 
@@ -140,10 +133,10 @@ def io_of(model, node_ids: list[int]) -> tuple[list[str], list[str]]:
     produced = {o for i in node_ids for o in g.node[i].output if o}
     ins: list[str] = []
     for i in node_ids:
-        for name in _node_inputs(g.node[i]):
+        for name in node_inputs(g.node[i]):
             if name not in inits and name not in produced and name not in ins:
                 ins.append(name)
-    used_outside = {x for j, n in enumerate(g.node) if j not in inside for x in _node_inputs(n)} | {o.name for o in g.output}
+    used_outside = {x for j, n in enumerate(g.node) if j not in inside for x in node_inputs(n)} | {o.name for o in g.output}
     outs = [o for i in node_ids for o in g.node[i].output if o and o in used_outside]
     if not outs and node_ids:
         outs = [o for o in g.node[node_ids[-1]].output if o]
@@ -158,7 +151,7 @@ def submodel(model, node_ids: list[int], inputs: list[str], outputs: list[str], 
     nodes = [g.node[i] for i in node_ids]
     used = set()
     for n in nodes:
-        used.update(_node_inputs(n))
+        used.update(node_inputs(n))
     inits = [t for t in g.initializer if t.name in used]
 
     def vi(name: str):

@@ -1,0 +1,78 @@
+"""Small ONNX graph edits shared by the stages (export sanitize, fp16 conversion, calibration)."""
+from __future__ import annotations
+
+import onnx
+from onnx import TensorProto, helper
+
+
+def fold_constants(g: onnx.GraphProto) -> int:
+    """Move top-level Constant nodes into initializers.
+
+    The converter clamps Constant node attributes blindly; as initializers they
+    get range-checked and stay fp32 when consumed by a blocked node.
+    """
+    keep, n = [], 0
+    for node in g.node:
+        t = constant_tensor(node) if node.op_type == "Constant" else None
+        if t is None:
+            keep.append(node)
+            continue
+        t.name = node.output[0]
+        g.initializer.append(t)
+        n += 1
+    if n:
+        del g.node[:]
+        g.node.extend(keep)
+    return n
+
+
+def constant_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
+    a = node.attribute[0] if len(node.attribute) == 1 else None
+    if a is None:
+        return None
+    if a.name == "value":
+        t = TensorProto()
+        t.CopyFrom(a.t)
+        return t
+    simple = {
+        "value_float": (TensorProto.FLOAT, [], [a.f]),
+        "value_floats": (TensorProto.FLOAT, [len(a.floats)], list(a.floats)),
+        "value_int": (TensorProto.INT64, [], [a.i]),
+        "value_ints": (TensorProto.INT64, [len(a.ints)], list(a.ints)),
+    }
+    if a.name in simple:
+        dtype, dims, vals = simple[a.name]
+        return helper.make_tensor("", dtype, dims, vals)
+    return None  # sparse / string constants: leave as nodes
+
+
+def uniquify_node_names(g: onnx.GraphProto, seen: set[str] | None = None) -> None:
+    # node_block_list matches by name and the converter derives Cast names
+    # from node names, so every node needs a distinct, non-empty name
+    # (subgraphs included: the converter processes them the same way).
+    seen = set() if seen is None else seen
+    for i, node in enumerate(g.node):
+        name = node.name or f"{node.op_type}_{i}"
+        base, k = name, 1
+        while name in seen:
+            name = f"{base}_{k}"
+            k += 1
+        node.name = name
+        seen.add(name)
+    for node in g.node:
+        for sub in subgraphs(node):
+            uniquify_node_names(sub, seen)
+
+
+def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    return [g for a in node.attribute for g in ([a.g] if a.HasField("g") else []) + list(a.graphs)]
+
+
+def node_inputs(node: onnx.NodeProto) -> list[str]:
+    """Inputs of a node, including names its subgraphs (If/Loop bodies) read from the outer scope."""
+    names = [i for i in node.input if i]
+    for g in subgraphs(node):
+        inner = {o for n in g.node for o in n.output} | {i.name for i in g.input} | {i.name for i in g.initializer}
+        for n in g.node:
+            names += [i for i in node_inputs(n) if i not in inner]
+    return names
