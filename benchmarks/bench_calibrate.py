@@ -105,7 +105,7 @@ def main() -> int:
                 raw2 = raw_quantize_static(prepared, tmp / "raw_entropy2048.onnx", feeds, method, 2048)
                 rows.append(("entropy, 2048 bins on both (the same setting)", ours, raw2, ours_cos,
                              cosine(prepared, tmp / "raw_entropy2048.onnx", held)))
-            rows.append((f"  of which trtforge calibration (ranges only)", cal, None, None, None))
+            rows.append(("  of which trtforge calibration (ranges only)", cal, None, None, None))
         search = None
         if not args.quick:
             t0 = time.perf_counter()

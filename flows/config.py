@@ -128,7 +128,7 @@ def _cc(v: str) -> tuple[int, int]:
 
 def preflight(cfg: DictConfig, config_dir: str | None = None) -> dict[str, Any]:
     """Check the whole config before any heavy step. Returns facts the flow needs (model io, profiles, backend)."""
-    from tasks.backend import Backend
+    from tasks.backend import backend_for_target
     from tasks.models import check_safe_name, graph_io, load_onnx, resolve_source
     from tasks.profiles import check_profiles
 
@@ -178,17 +178,7 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> dict[str, Any]:
             raise ConfigError(f"model.images.source={src!r} is unknown", fix="use synthetic:text or a folder of images")
     search = config_dir_search(config_dir)
     facts: dict[str, Any] = {}
-    if t.backend == "tensorrt":  # Enterprise TensorRT builds on the GPU it targets: say plainly what is missing
-        from tasks.backend import gpu_for, no_gpu_reason
-        from tasks.errors import UnavailableError
-        if gpu_for(t.compute_capability) is None:
-            raise UnavailableError(
-                f"target={t.name} ({t.architecture}) needs Enterprise TensorRT on a GPU of compute capability "
-                f"{t.compute_capability}: {no_gpu_reason(t.compute_capability)} ({t.note})",
-                fix="run the build on such a GPU host, or pick a TensorRT-RTX target that builds anywhere: "
-                    "sm_75, sm_80, sm_86, sm_89, sm_120, sm_121")
-    backend = Backend(t.backend)
-    backend.check_can_build(t.compute_capability)
+    backend = backend_for_target(t.name, t.backend, t.compute_capability, t.architecture, t.note)
     facts["backend"] = backend
     if m.format == "onnx":
         src = resolve_source(m.source, search=search)

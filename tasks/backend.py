@@ -84,6 +84,20 @@ class SupportReport:
     fully_supported: bool = False
 
 
+def backend_for_target(name: str, backend: str, compute_capability: str, architecture: str = "", note: str = "") -> "Backend":
+    """The backend that builds for a target, or a plain refusal. Enterprise TensorRT builds for the GPU it runs on,
+    so a target it serves needs a GPU of that architecture on this host (checked before looking for the module)."""
+    if backend == "tensorrt" and gpu_for(compute_capability) is None:
+        raise UnavailableError(
+            f"target={name} ({architecture}) needs Enterprise TensorRT on a GPU of compute capability "
+            f"{compute_capability}: {no_gpu_reason(compute_capability)}" + (f" ({note})" if note else ""),
+            fix="run the build on such a GPU host (a build-farm worker), or pick a TensorRT-RTX target that builds "
+                "anywhere: sm_75, sm_80, sm_86, sm_89, sm_120, sm_121")
+    b = Backend(backend)
+    b._cc_enum(compute_capability)  # TensorRT-RTX: refuse a compute capability it cannot target
+    return b
+
+
 class Backend:
     """TensorRT behind a small surface: version, support check, engine build, engine validity."""
 
@@ -110,16 +124,6 @@ class Backend:
             raise UnavailableError(f"TensorRT-RTX {self.trt.__version__} cannot target compute capability {compute_capability}",
                                    fix=f"it targets {', '.join(valid)}; use Enterprise TensorRT for others")
         return cc
-
-    def check_can_build(self, compute_capability: str) -> None:
-        """Enterprise TensorRT builds for the GPU it runs on: refuse early and plainly elsewhere."""
-        self._cc_enum(compute_capability)
-        if self.name == "tensorrt" and gpu_for(compute_capability) is None:
-            raise UnavailableError(
-                f"building for compute capability {compute_capability} needs Enterprise TensorRT on a GPU of that "
-                f"architecture: {no_gpu_reason(compute_capability)}",
-                fix="run this build on a GPU host of that architecture (a build-farm worker), or pick a TensorRT-RTX target "
-                    "(sm_75, sm_80, sm_86, sm_89, sm_120, sm_121)")
 
     def support_report(self, model_bytes: bytes, model_path: str) -> SupportReport:
         trt = self.trt

@@ -4,7 +4,7 @@ from __future__ import annotations
 import platform
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -36,29 +36,33 @@ def host_info() -> dict[str, Any]:
     return {"cpu": cpu, "cores": os.cpu_count(), "onnxruntime": ort.__version__, "python": platform.python_version()}
 
 
+def measure(step: Callable[[], Any], bench_cfg: Any, batch: int) -> dict[str, Any]:
+    """Time `step()`: warm-up runs (the first one is the cold start), then repeats x iterations -> latency stats."""
+    def timed() -> float:
+        t = time.perf_counter()
+        step()
+        return (time.perf_counter() - t) * 1e3
+
+    warm = [timed() for _ in range(max(1, int(bench_cfg["warmup"])))]
+    times, medians = [], []
+    for _ in range(max(1, int(bench_cfg["repeats"]))):
+        rep = [timed() for _ in range(max(1, int(bench_cfg["iterations"])))]
+        times += rep
+        medians.append(float(np.median(rep)))
+    return {"first_run_ms": warm[0], "warmup_ms": warm, **latency_stats(times, medians, batch), "runs": len(times)}
+
+
+def batch_of(feed: dict[str, np.ndarray]) -> int:
+    return int(next(iter(feed.values())).shape[0]) if feed else 1
+
+
 def benchmark_onnx(onnx_path: Path, feed: dict[str, np.ndarray], bench_cfg: Any, label: str) -> dict[str, Any]:
-    """ONNX Runtime on this host: session creation, first run (warm-up), then repeats x iterations."""
+    """ONNX Runtime on this host: session creation, then `measure`."""
     t0 = time.perf_counter()
     sess = ort_session(onnx_path, threads=bench_cfg["threads"], stage="benchmark")
     load_ms = (time.perf_counter() - t0) * 1e3
-    warm = []
-    for _ in range(max(1, int(bench_cfg["warmup"]))):
-        t = time.perf_counter()
-        ort_run(sess, feed, stage="benchmark")
-        warm.append((time.perf_counter() - t) * 1e3)
-    times, medians = [], []
-    for _ in range(max(1, int(bench_cfg["repeats"]))):
-        rep = []
-        for _ in range(max(1, int(bench_cfg["iterations"]))):
-            t = time.perf_counter()
-            ort_run(sess, feed, stage="benchmark")
-            rep.append((time.perf_counter() - t) * 1e3)
-        times += rep
-        medians.append(float(np.median(rep)))
-    batch = int(next(iter(feed.values())).shape[0]) if feed else 1
-    stats = latency_stats(times, medians, batch)
-    return {"runtime": label, "session_create_ms": load_ms, "first_run_ms": warm[0], "warmup_ms": warm, **stats,
-            "runs": len(times), "shape": {n: list(a.shape) for n, a in feed.items()}}
+    stats = measure(lambda: ort_run(sess, feed, stage="benchmark"), bench_cfg, batch_of(feed))
+    return {"runtime": label, "session_create_ms": load_ms, **stats, "shape": {n: list(a.shape) for n, a in feed.items()}}
 
 
 def benchmark_model(onnx_path: Path, feed: dict[str, np.ndarray], bench_cfg: Any, out_path: Path,

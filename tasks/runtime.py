@@ -99,14 +99,17 @@ class EngineRunner:
         self.stream.synchronize()
         return out
 
+    def run(self, feed: dict[str, np.ndarray]) -> None:
+        """One execution, waited for (outputs stay on the device): what engine timing measures."""
+        self.enqueue(feed)
+        self.stream.synchronize()
+
     def time(self, feed: dict[str, np.ndarray], warmup: int, iterations: int) -> list[float]:
         for _ in range(warmup):
-            self.enqueue(feed)
-        self.stream.synchronize()
+            self.run(feed)
         times = []
         for _ in range(iterations):
             t0 = time.perf_counter()
-            self.enqueue(feed)
-            self.stream.synchronize()
+            self.run(feed)
             times.append((time.perf_counter() - t0) * 1e3)
         return times

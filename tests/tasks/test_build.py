@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from tasks.backend import Backend, gpu_for, no_gpu_reason
+from tasks.backend import Backend, backend_for_target, gpu_for, no_gpu_reason
 from tasks.build import engine_from_onnx
 from tasks.errors import StageError, UnavailableError
 from tests.conftest import TINY_PROFILE
@@ -37,9 +37,9 @@ def test_other_rtx_targets_build(tiny_onnx, tmp_path, rtx, cc):
     assert r.metrics["engine_bytes"] > 1000
 
 
-def test_non_rtx_compute_capability_is_refused_plainly(rtx):
+def test_non_rtx_compute_capability_is_refused_plainly():
     with pytest.raises(UnavailableError) as e:
-        rtx.check_can_build("9.0")
+        backend_for_target("sm_90", "tensorrt_rtx", "9.0")
     assert "SM86" in str(e.value)
 
 
