@@ -46,8 +46,7 @@ def cls_path() -> Path:
 
 def make_conv_model(path: Path, channels: int = 8, custom_op: str | None = None, opset: int = 17) -> Path:
     """x[N,3,H,W] -> Conv -> Relu -> (optional custom op) -> Conv -> y. Weights seeded, dynamic N/H/W."""
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import helper, numpy_helper
 
     rng = np.random.default_rng(0)
     w1 = numpy_helper.from_array(rng.standard_normal((channels, 3, 3, 3)).astype(np.float32) * 0.2, "w1")
@@ -62,11 +61,19 @@ def make_conv_model(path: Path, channels: int = 8, custom_op: str | None = None,
         opsets.append(helper.make_opsetid("trtforge.test", 1))
         mid = "u1"
     nodes.append(helper.make_node("Conv", [mid, "w2"], ["y"], pads=[1, 1, 1, 1], name="conv2"))
+    return save_image_model(path, "tiny", nodes, [w1, b1, w2], 4, opsets)
+
+
+def save_image_model(path: Path, name: str, nodes, initializers, out_channels: int, opsets) -> Path:
+    """x[batch,3,height,width] -> nodes -> y[batch,out_channels,height,width], saved at IR 8."""
+    import onnx
+    from onnx import TensorProto, helper
+
     graph = helper.make_graph(
-        nodes, "tiny",
+        nodes, name,
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, "height", "width"])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4, "height", "width"])],
-        initializer=[w1, b1, w2])
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", out_channels, "height", "width"])],
+        initializer=initializers)
     model = helper.make_model(graph, opset_imports=opsets, producer_name="trtforge-tests")
     model.ir_version = 8
     onnx.save(model, str(path))
@@ -104,8 +111,7 @@ def prefect_harness():
 def make_hybrid_model(path: Path, contrib_ops=("FastGelu", "QuickGelu"), channels: int = 8) -> Path:
     """Conv blocks (Conv3x3 -> Relu -> Conv1x1) separated by ONNX Runtime contrib ops (com.microsoft) that the
     TensorRT parser cannot take: the shape of model that needs hybrid execution."""
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import helper, numpy_helper
 
     rng = np.random.default_rng(1)
     inits, nodes = [], []
@@ -123,14 +129,8 @@ def make_hybrid_model(path: Path, contrib_ops=("FastGelu", "QuickGelu"), channel
             nodes.append(helper.make_node(op, [cur], [f"{op}_{b}"], domain="com.microsoft", name=f"contrib_{op}_{b}"))
             cur = f"{op}_{b}"
     nodes.append(helper.make_node("Identity", [cur], ["y"], name="out"))
-    graph = helper.make_graph(nodes, "hybrid",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, "height", "width"])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", channels, "height", "width"])],
-                              initializer=inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
-    model.ir_version = 8
-    onnx.save(model, str(path))
-    return path
+    return save_image_model(path, "hybrid", nodes, inits, channels,
+                            [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
 
 
 @pytest.fixture(scope="session")
