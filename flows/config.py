@@ -191,12 +191,11 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> dict[str, Any]:
         if not m.inputs:
             raise ConfigError("model.inputs is empty for format=torch", fix="map each forward() argument to {shape: [...], dtype: float32}")
         from tasks.models import TensorInfo
-        inputs = [TensorInfo(n, s.dtype, list(s.shape)) for n, s in m.inputs.items()]
-        for prof in m.profiles:
-            for n, r in prof.items():
-                if n in m.inputs:
-                    inputs = [TensorInfo(i.name, i.dtype, [("d" if lo != hi else d) for d, lo, hi in zip(i.shape, r.min, r.max)])
-                              if i.name == n else i for i in inputs]
+        # the export makes dims that vary across a profile dynamic: the profile check must see them that way
+        varying = {(n, i) for prof in m.profiles for n, r in prof.items()
+                   for i, (lo, hi) in enumerate(zip(r.min, r.max)) if lo != hi}
+        inputs = [TensorInfo(n, s.dtype, [f"{n}_dim{i}" if (n, i) in varying else d for i, d in enumerate(s.shape)])
+                  for n, s in m.inputs.items()]
         outputs = []
     if m.images is not None and m.images.input not in [i.name for i in inputs]:
         raise ConfigError(f"model.images.input={m.images.input!r} is not an input of the model",

@@ -94,7 +94,7 @@ def backend_for_target(name: str, backend: str, compute_capability: str, archite
             fix="run the build on such a GPU host (a build-farm worker), or pick a TensorRT-RTX target that builds "
                 "anywhere: sm_75, sm_80, sm_86, sm_89, sm_120, sm_121")
     b = Backend(backend)
-    b._cc_enum(compute_capability)  # TensorRT-RTX: refuse a compute capability it cannot target
+    b.compute_capability_enum(compute_capability)  # TensorRT-RTX: refuse a compute capability it cannot target
     return b
 
 
@@ -114,7 +114,7 @@ class Backend:
     def version(self) -> str:
         return f"{self.name}-{self.trt.__version__}"
 
-    def _cc_enum(self, compute_capability: str):
+    def compute_capability_enum(self, compute_capability: str):
         if self.name != "tensorrt_rtx":
             return None
         member = "SM" + compute_capability.replace(".", "")
@@ -173,7 +173,7 @@ class Backend:
             raise StageError(f"the TensorRT ONNX parser rejected the model: {detail or logger.errors()}", stage=stage,
                              file=model_path, fix="see the partition report for unsupported nodes")
         config = builder.create_builder_config()
-        cc = self._cc_enum(compute_capability)
+        cc = self.compute_capability_enum(compute_capability)
         if cc is not None:
             config.num_compute_capabilities = 1
             config.set_compute_capability(cc, 0)
