@@ -57,8 +57,9 @@ class BuildContext:
         return self.facts["backend"]
 
     def c(self, key: str) -> Any:
-        return OmegaConf.to_container(OmegaConf.select(self.cfg, key), resolve=True) \
-            if OmegaConf.is_config(OmegaConf.select(self.cfg, key)) else OmegaConf.select(self.cfg, key)
+        """A config value as plain Python (dicts and lists for sections)."""
+        v = OmegaConf.select(self.cfg, key)
+        return OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
 
     def cached(self, stage: str, parts: dict, fn: Callable[[Path], StageResult], entry: str | None = None) -> StageResult:
         """Serve a stage's output from the content-addressed cache, or compute and publish it. A stage whose every
@@ -87,7 +88,7 @@ class BuildContext:
                     entry["reason"] = f"partly from the cache ({sum(hits)} of {len(hits)} outputs)"
                 if result is not None:
                     self.results[name] = result
-                    self.metrics.update({k: v for k, v in result.metrics.items()})
+                    self.metrics.update(result.metrics)
             except Skip as s:
                 entry.update(status="skipped", reason=str(s))
             except TrtforgeError as e:
