@@ -49,10 +49,11 @@ def publish(ctx: stages.BuildContext) -> dict:
     """Write the summary and outputs in a temp folder, move it into place, then log the run to MLflow."""
     cfg = ctx.cfg
     ok = ctx.failed is None
+    final = (Path(cfg.out_dir) / cfg.model.name / cfg.target.name
+             / (cfg.precision.name if ok else cfg.precision.name + ".failed")).resolve()
     summary: dict[str, Any] = {"model": cfg.model.name, "target": cfg.target.name, "precision": cfg.precision.name,
-                               "status": "ok" if ok else "failed", "engines": [], "engine": None,
+                               "status": "ok" if ok else "failed", "out_dir": str(final), "engines": [], "engine": None,
                                "stages": ctx.stages, "metrics": {}}
-    final = Path(cfg.out_dir) / cfg.model.name / cfg.target.name / (cfg.precision.name if ok else cfg.precision.name + ".failed")
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
     if ok:
@@ -84,13 +85,12 @@ def publish(ctx: stages.BuildContext) -> dict:
         if stale.is_dir():
             import shutil
             shutil.rmtree(stale, ignore_errors=True)
-    summary["out_dir"] = str(final)
-    run = track(experiment=cfg.experiment, summary={k: v for k, v in summary.items() if k != "out_dir"},
+    run = track(experiment=cfg.experiment, summary=summary,
                 params=flat_params(cfg), resolved_yaml=resolved, out_dir=final,
                 engine_files=[final / e["file"] for e in summary["engines"]], versions=summary["versions"])
     summary["mlflow"] = run
     if cfg.summary_out:
-        write_json(cfg.summary_out, {k: v for k, v in summary.items() if k not in ("out_dir", "mlflow")} | {"mlflow": run})
+        write_json(cfg.summary_out, summary)
     return summary
 
 

@@ -53,6 +53,8 @@ def test_user_model_builds_a_real_engine_with_an_ok_summary(tiny_build):
         or m.get("trt_p50_ms")
     written = json.loads((tmp / "summary.json").read_text())  # summary_out
     assert written["engine"] == s["engine"] and written["status"] == "ok"
+    published = json.loads((Path(s["out_dir"]) / "summary.json").read_text())  # the contract: out_dir is in the file
+    assert published["out_dir"] == written["out_dir"] == s["out_dir"] and Path(s["out_dir"]).is_absolute()
 
 
 def test_the_run_is_in_mlflow_with_tags_engine_summary_and_config(tiny_build):
