@@ -42,6 +42,8 @@ def track(**kwargs: Any) -> dict:
 def build_flow(ctx: stages.BuildContext, run_name: str) -> dict:
     for name in ("export", "partition", "build", "calibrate", "validate", "benchmark"):
         stage(name, ctx)
+        if ctx.error is not None and ctx.error.exit_code != 1:
+            return None  # bad input (or a host that cannot build it) found mid-way: nothing is published or tracked
     return publish(ctx)
 
 
@@ -117,12 +119,16 @@ def versions(ctx: stages.BuildContext) -> dict[str, str]:
 
 def run_build(cfg: DictConfig, config_dir: str | None = None, show_progress: bool = True,
               on_stage=None) -> dict:
-    """Validate the whole config, then run the flow. Raises ConfigError on bad input (no run is created)."""
+    """Validate the whole config, then run the flow. Raises ConfigError on bad input, found before the flow or by a
+    stage (no run is created), UnavailableError when this host cannot build the target."""
     facts = preflight(cfg, config_dir)
     ctx = stages.BuildContext(cfg=cfg, facts=facts, cache=StageCache(cfg.cache_dir), show_progress=show_progress,
                               on_stage=on_stage)
     name = f"{cfg.model.name}-{cfg.target.name}-{cfg.precision.name}"
-    return build_flow(ctx, run_name=name)
+    summary = build_flow(ctx, run_name=name)
+    if summary is None:
+        raise ctx.error
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:

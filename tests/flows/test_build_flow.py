@@ -148,6 +148,19 @@ def test_cli_bad_input_exits_nonzero_with_a_short_message_and_no_run(tmp_path, a
     assert not (tmp_path / "cli-mlflow.db").exists()  # no run at all, so none marked as succeeded
 
 
+def test_cli_bad_input_found_while_exporting_exits_2_with_no_run(tmp_path):
+    """A torch factory that cannot be imported is only found by export: still bad input, so exit 2 and no run."""
+    (tmp_path / "conf" / "model").mkdir(parents=True)
+    (tmp_path / "conf" / "model" / "gone.yaml").write_text(
+        "name: gone\nformat: torch\nfactory: no_such_module_here:make\n"
+        "inputs:\n  image: {shape: [1, 3, 32, 32], dtype: float32}\n")
+    r = cli(["--config-dir", str(tmp_path / "conf"), "model=gone", "precision=fp32"], tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert "model.factory='no_such_module_here:make'" in r.stderr and "fix:" in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.splitlines()) <= 6
+    assert not (tmp_path / "cli-mlflow.db").exists() and not (tmp_path / "out").exists()  # no run, nothing published
+
+
 @pytest.mark.slow
 def test_cli_sweep_builds_each_combination(tmp_path, user_config_dir):
     r = cli(["--config-dir", str(user_config_dir), "-m", "model=tiny", "target=sm_80,sm_86", "precision=fp32",
