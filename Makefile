@@ -31,6 +31,14 @@ build: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# one pass of the scheduled rebuild; `make rebuild rebuild_out=r.json`
+rebuild: $(STAMP)
+	$(PY) -m flows.rebuild $(if $(rebuild_out),rebuild_out=$(rebuild_out)) $(ARGS)
+
+# a Prefect server on 127.0.0.1 (started unless one answers) serving the rebuild on conf/rebuild.yaml's cron
+serve: $(STAMP)
+	$(PY) -m flows.serve $(ARGS)
+
 ui: $(STAMP)
 	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(VENV)/bin/mlflow ui --workers 1 --host 127.0.0.1 --port $(PORT) \
 	  --backend-store-uri $${MLFLOW_TRACKING_URI:-sqlite:///$(CURDIR)/mlflow.db}

@@ -4,10 +4,12 @@ The flow, on one screen: export -> partition -> build -> calibrate -> validate -
 """
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import sys
-import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -16,14 +18,13 @@ from flows.config import env_defaults
 env_defaults()  # before Prefect and MLflow are imported
 
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
-from prefect import flow, task  # noqa: E402
-from prefect.cache_policies import NONE  # noqa: E402
-
 from flows import stages  # noqa: E402
-from flows.cache import StageCache  # noqa: E402
+from flows.lazy import NONE, flow, task  # noqa: E402  (Prefect is imported when a build has work)
+from flows.cache import (StageCache, build_key, locked, new_result_dir, publish_dir, published,  # noqa: E402
+                         remove_result, result_dir)
 from flows.config import compose_config, flat_params, preflight  # noqa: E402
 from tasks.errors import TrtforgeError  # noqa: E402
-from tasks.util import replace_dir, write_json  # noqa: E402
+from tasks.util import write_json  # noqa: E402
 
 
 @task(task_run_name="{name}", cache_policy=NONE, persist_result=False)
@@ -48,16 +49,14 @@ def build_flow(ctx: stages.BuildContext, run_name: str) -> dict:
 
 
 def publish(ctx: stages.BuildContext) -> dict:
-    """Write the summary and outputs in a temp folder, move it into place, then log the run to MLflow."""
+    """Write the result in a fresh folder, log the MLflow run from it, then make it current in one atomic swap."""
     cfg = ctx.cfg
     ok = ctx.failed is None
-    final = (Path(cfg.out_dir) / cfg.model.name / cfg.target.name
-             / (cfg.precision.name if ok else cfg.precision.name + ".failed")).resolve()
+    final = result_dir(cfg, ok)
     summary: dict[str, Any] = {"model": cfg.model.name, "target": cfg.target.name, "precision": cfg.precision.name,
                                "status": "ok" if ok else "failed", "out_dir": str(final), "engines": [], "engine": None,
                                "stages": ctx.stages, "metrics": {}}
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
+    tmp = new_result_dir(final)
     if ok:
         summary["engines"] = stages.publish_engines(ctx, tmp)
         summary["engine"] = summary["engines"][0]
@@ -80,17 +79,21 @@ def publish(ctx: stages.BuildContext) -> dict:
     resolved = OmegaConf.to_yaml(cfg)
     (tmp / "config.yaml").write_text(resolved)
     summary["versions"] = versions(ctx)
+    summary["cache_key"] = ctx.facts["cache_key"]
     write_json(tmp / "summary.json", summary)
-    replace_dir(tmp, final)
+    try:
+        run = track(experiment=cfg.experiment, summary=dict(summary), params=flat_params(cfg), resolved_yaml=resolved,
+                    out_dir=tmp, engine_files=[tmp / e["file"] for e in summary["engines"]], versions=summary["versions"],
+                    build_id=ctx.facts["build_id"], provenance=ctx.facts["provenance"],
+                    tolerance=ctx.facts.get("tolerance"))
+        summary["mlflow"] = run
+        write_json(tmp / "summary.json", summary)  # with its run: what the up-to-date check compares
+        publish_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if ok:  # a stale failure report beside a good result would mislead
-        stale = final.with_name(final.name + ".failed")
-        if stale.is_dir():
-            import shutil
-            shutil.rmtree(stale, ignore_errors=True)
-    run = track(experiment=cfg.experiment, summary=summary,
-                params=flat_params(cfg), resolved_yaml=resolved, out_dir=final,
-                engine_files=[final / e["file"] for e in summary["engines"]], versions=summary["versions"])
-    summary["mlflow"] = run
+        remove_result(final.with_name(final.name + ".failed"))
     if cfg.summary_out:
         write_json(cfg.summary_out, summary)
     return summary
@@ -118,17 +121,54 @@ def versions(ctx: stages.BuildContext) -> dict[str, str]:
 # --- running builds ---------------------------------------------------------------------------------------------
 
 def run_build(cfg: DictConfig, config_dir: str | None = None, show_progress: bool = True,
-              on_stage=None) -> dict:
-    """Validate the whole config, then run the flow. Raises ConfigError on bad input, found before the flow or by a
-    stage (no run is created), UnavailableError when this host cannot build the target."""
-    facts = preflight(cfg, config_dir)
-    ctx = stages.BuildContext(cfg=cfg, facts=facts, cache=StageCache(cfg.cache_dir), show_progress=show_progress,
-                              on_stage=on_stage)
-    name = f"{cfg.model.name}-{cfg.target.name}-{cfg.precision.name}"
-    summary = build_flow(ctx, run_name=name)
-    if summary is None:
-        raise ctx.error
-    return summary
+              on_stage=None, overrides: list[str] | None = None, tolerance: float | None = None) -> dict:
+    """The published result when it is up to date (no server, no new run); else validate the whole config and run
+    the flow. Raises ConfigError on bad input, found before the flow or by a
+    stage (no run is created), UnavailableError when this host cannot build the target. `overrides` and `config_dir` are recorded in the
+    run, so a scheduled rebuild can re-resolve the config; `tolerance`: see flows.registry.register_engines."""
+    key = build_key(cfg, config_dir)
+    done = up_to_date(cfg, key)
+    if done is None:
+        # one build per result folder at a time: an identical build waits, then finds the result up to date
+        with locked(result_dir(cfg).parent / f".{cfg.precision.name}.build.lock"):
+            done = up_to_date(cfg, key)
+            if done is None:
+                facts = preflight(cfg, config_dir)
+                facts.update(cache_key=key, build_id=uuid.uuid4().hex, tolerance=tolerance, provenance={
+                    "config_dir": str(Path(config_dir).expanduser().resolve()) if config_dir else "",
+                    "overrides": json.dumps(list(overrides) if overrides is not None else None)})
+                ctx = stages.BuildContext(cfg=cfg, facts=facts, cache=StageCache(cfg.cache_dir),
+                                          show_progress=show_progress, on_stage=on_stage)
+                name = f"{cfg.model.name}-{cfg.target.name}-{cfg.precision.name}"
+                summary = build_flow(ctx, run_name=name)
+                if summary is None:  # bad input found by a stage: nothing published or tracked
+                    raise ctx.error
+                return summary
+    if on_stage:
+        for name, entry in done["stages"].items():
+            on_stage(name, entry)
+    if cfg.summary_out:
+        write_json(cfg.summary_out, done)
+    return done
+
+
+def up_to_date(cfg: DictConfig, key: str) -> dict | None:
+    """The published ok result of a build with this key whose MLflow run is in the tracking store, its stages
+    marked `cached` (and from when); None when there is work to do."""
+    from datetime import datetime, timezone
+
+    from flows.tracking import run_matches
+
+    s = published(cfg, key)
+    run = run_matches(s["mlflow"]["run_id"], key) if s else None
+    if run is None:
+        return None
+    when = datetime.fromtimestamp(run["start_time"] / 1000, timezone.utc).isoformat(timespec="seconds")
+    for entry in s["stages"].values():
+        if entry["status"] in ("ok", "cached"):
+            entry.update(status="cached", seconds=0.0, reason=f"up to date: built {when}")
+    s["up_to_date"] = when
+    return s
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,7 +185,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(OmegaConf.to_yaml(cfg))
                 continue
             t0 = time.perf_counter()
-            summary = run_build(cfg, args.config_dir, show_progress=sys.stderr.isatty(), on_stage=print_stage)
+            summary = run_build(cfg, args.config_dir, show_progress=sys.stderr.isatty(), on_stage=print_stage,
+                                overrides=overrides)
+            if summary.get("up_to_date"):
+                print(f"up to date: the published result and its MLflow run match the inputs (built "
+                      f"{summary['up_to_date']}); nothing to do")
             print_summary(summary, time.perf_counter() - t0)
             code = max(code, 0 if summary["status"] == "ok" else 1)
         except TrtforgeError as e:

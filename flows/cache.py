@@ -1,20 +1,73 @@
 """Content-addressed stage outputs: key = stage + stage config + input hashes + backend version + target.
 
-An entry is a folder `<cache_dir>/<stage>/<key>/` with the stage's files and `result.json`; it is written
-in a temporary folder and renamed into place, so a reader never sees half an entry.
+An entry is a folder `<cache_dir>/<stage>/<key>/` with the stage's files and `result.json` (with their sha256,
+checked on every read); it is written in a temporary folder and renamed into place under an exclusive lock per
+entry, so a reader never sees half an entry and two identical builds compute it once. Temporary folders of
+processes that died are swept.
+
+Also here: the whole build's key (computed before any server starts) and the published result folder,
+swapped in by replacing one symlink atomically.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterator
 
-from tasks.util import StageResult, sha256_json, write_json
+from tasks.util import StageResult, sha256_file, sha256_json, write_json
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """An exclusive lock (flock on `path`): released by the kernel when the holder dies, even by SIGKILL."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def temp_name(prefix: str) -> str:
+    """`<prefix>.tmp-<pid>-<random>`: the pid lets a later process sweep it once its writer is gone."""
+    return f"{prefix}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def sweep(folder: Path, prefix: str = "") -> list[Path]:
+    """Remove `<prefix>.tmp-<pid>-*` folders and links whose writing process no longer exists."""
+    gone = []
+    if not folder.is_dir():
+        return gone
+    for d in folder.glob(f"{prefix}*.tmp-*"):
+        try:
+            pid = int(d.name.rsplit(".tmp-", 1)[1].split("-")[0])
+        except (IndexError, ValueError):
+            continue
+        if not _alive(pid):
+            if d.is_symlink() or d.is_file():
+                d.unlink(missing_ok=True)
+            else:
+                shutil.rmtree(d, ignore_errors=True)
+            gone.append(d)
+    return gone
 
 
 class StageCache:
@@ -37,13 +90,22 @@ class StageCache:
         except (OSError, json.JSONDecodeError):
             return None
         files = {k: d / v for k, v in data["files"].items()}
-        if not all(p.exists() for p in files.values()):
+        digests = data.get("sha256", {})
+        if not all(p.is_file() and sha256_file(p) == digests.get(k) for k, p in files.items()):
+            shutil.rmtree(d, ignore_errors=True)  # damaged or tampered with: recompute
             return None
         return StageResult(files=files, metrics=data["metrics"], details=data["details"])
 
     def run(self, stage: str, key: str, fn: Callable[[Path], StageResult]) -> StageResult:
-        """Run fn(workdir) and publish its files atomically under the key; return the published result."""
-        tmp = self.root / ".tmp" / f"{stage}-{uuid.uuid4().hex[:12]}"
+        """Run fn(workdir) and publish its files atomically under the key; return the published result.
+        Under the entry's lock: an identical build waits here, then reuses what the first one published."""
+        with locked(self.root / ".locks" / f"{stage}-{key}.lock"):
+            hit = self.get(stage, key)
+            return hit if hit is not None else self._compute(stage, key, fn)
+
+    def _compute(self, stage: str, key: str, fn: Callable[[Path], StageResult]) -> StageResult:
+        sweep(self.root / ".tmp")
+        tmp = self.root / ".tmp" / temp_name(stage)
         tmp.mkdir(parents=True)
         try:
             result = fn(tmp)
@@ -54,16 +116,112 @@ class StageCache:
                     shutil.copy2(p, tmp / p.name)
                     p = tmp / p.name
                 rel[name] = str(p.relative_to(tmp))
-            write_json(tmp / "result.json", {"files": rel, "metrics": result.metrics, "details": result.details})
+            write_json(tmp / "result.json", {"files": rel, "metrics": result.metrics, "details": result.details,
+                                             "sha256": {k: sha256_file(tmp / v) for k, v in rel.items()}})
             final = self.entry(stage, key)
             final.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.replace(tmp, final)
-            except OSError:  # another build published the same key first: theirs is identical
-                shutil.rmtree(tmp, ignore_errors=True)
+            if final.exists():  # a damaged entry (its files failed the hash check)
+                shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
             cached = self.get(stage, key)
             assert cached is not None
             return cached
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
+
+
+# --- the whole build: its key, and the published result folder ----------------------------------------------
+
+RUNTIME_KEYS = ("out_dir", "cache_dir", "summary_out")  # where things go, not what is built
+
+
+def build_key(cfg: Any, config_dir: str | None = None) -> str:
+    """Everything a build's result depends on, hashed cheaply (no TensorRT import, no model load, no server):
+    the resolved config, the model's content, calibration/validation data and images, the stage code, the
+    backend and library versions, and the GPUs of this host (validate and benchmark use them when present)."""
+    from importlib.metadata import version
+
+    from omegaconf import OmegaConf
+
+    from flows.config import config_dir_search
+    from flows.stages import CODE, TRTFORGE_VERSION
+    from tasks.backend import host_gpus, installed_version
+    from tasks.export import source_fingerprint
+    from tasks.inputs import data_hash
+    from tasks.samples import GENERATOR_VERSION
+
+    c = OmegaConf.to_container(cfg, resolve=True)
+    parts: dict[str, Any] = {"format": CACHE_FORMAT, "trtforge": TRTFORGE_VERSION, "code": CODE,
+                             "config": {k: v for k, v in c.items() if k not in RUNTIME_KEYS},
+                             "source": source_fingerprint(c["model"], config_dir_search(config_dir)),
+                             "backend": installed_version(c["target"]["backend"]),
+                             "libs": {d: version(d) for d in ("onnx", "onnxruntime", "numpy")},
+                             "gpus": [(g.name, g.compute_capability, g.driver) for g in host_gpus()],
+                             "samples": GENERATOR_VERSION}
+    for key in ("calibration.data", "validation.data"):
+        path = OmegaConf.select(cfg, key)
+        if path:
+            parts[key] = data_hash(path, key)
+    images = (c["model"].get("images") or {}).get("source")
+    if images and not str(images).startswith("synthetic:"):
+        from tasks.samples import list_images
+        parts["images"] = [(f.name, sha256_file(f)) for f in list_images(images, "model.images.source")]
+    return sha256_json(parts)
+
+
+def result_dir(cfg: Any, ok: bool = True) -> Path:
+    p = cfg.precision.name
+    return Path(cfg.out_dir).expanduser().resolve() / cfg.model.name / cfg.target.name / (p if ok else p + ".failed")
+
+
+def new_result_dir(final: Path) -> Path:
+    """A fresh folder beside `final` to write the next result in; `publish_dir` makes it current."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    sweep(final.parent, f".{final.name}")
+    d = final.parent / temp_name(f".{final.name}")
+    d.mkdir()
+    return d
+
+
+def publish_dir(folder: Path, final: Path) -> None:
+    """Make `folder` the current result: it becomes the version folder `.<name>.v-<id>` and `final` a symlink to it,
+    replaced in one atomic rename; other versions are removed. A reader sees the old result or the new one."""
+    with locked(final.parent / f".{final.name}.lock"):
+        version = final.parent / f".{final.name}.v-{uuid.uuid4().hex[:12]}"
+        os.replace(folder, version)
+        link = final.parent / temp_name(f".{final.name}.link")
+        os.symlink(version.name, link)
+        if final.exists() and not final.is_symlink():  # a result folder written before results were versioned
+            shutil.rmtree(final)
+        os.replace(link, final)
+        for old in final.parent.glob(f".{final.name}.v-*"):
+            if old != version:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_result(final: Path) -> None:
+    with locked(final.parent / f".{final.name}.lock"):
+        if final.is_symlink():
+            final.unlink()
+        elif final.is_dir():
+            shutil.rmtree(final, ignore_errors=True)
+        for old in final.parent.glob(f".{final.name}.v-*"):
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def published(cfg: Any, key: str) -> dict | None:
+    """The published ok summary when it was built from exactly these inputs and its engines are intact."""
+    final = result_dir(cfg)
+    try:
+        s = json.loads((final / "summary.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if s.get("status") != "ok" or s.get("cache_key") != key or not s.get("mlflow", {}).get("run_id"):
+        return None
+    for e in s.get("engines", []):
+        f = final / e["file"]
+        if not f.is_file() or f.stat().st_size != e["bytes"] or sha256_file(f) != e["sha256"]:
+            return None
+    s["out_dir"] = str(final)
+    return s

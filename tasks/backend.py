@@ -20,6 +20,20 @@ INSTALL = {
     "tensorrt_rtx": "pip install tensorrt-rtx-cu13-bindings==1.7.1.116 tensorrt-rtx-cu13-libs==1.7.1.116",
     "tensorrt": "install Enterprise TensorRT (pip install tensorrt from NVIDIA's index) on a GPU host of this architecture",
 }
+DISTRIBUTIONS = {"tensorrt_rtx": ("tensorrt-rtx-cu13-bindings", "tensorrt-rtx-cu12-bindings"),
+                 "tensorrt": ("tensorrt", "tensorrt-cu13", "tensorrt-cu12")}
+
+
+def installed_version(name: str) -> str:
+    """The backend's installed version from package metadata, without importing TensorRT (for up-to-date checks)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in DISTRIBUTIONS.get(name, ()):
+        try:
+            return f"{name}-{dist}-{version(dist)}"
+        except PackageNotFoundError:
+            continue
+    return f"{name}-not-installed"
 
 
 @dataclass

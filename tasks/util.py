@@ -4,7 +4,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,15 +55,3 @@ def _json_default(o: Any) -> Any:
     if isinstance(o, Path):
         return str(o)
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
-
-
-def replace_dir(tmp_dir: Path, final_dir: Path) -> None:
-    """Publish a fully written folder in one step (never a half-written result)."""
-    final_dir.parent.mkdir(parents=True, exist_ok=True)
-    if final_dir.exists():
-        old = final_dir.with_name(f".{final_dir.name}.old.{os.getpid()}")
-        os.replace(final_dir, old)
-        os.replace(tmp_dir, final_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp_dir, final_dir)

@@ -1,0 +1,110 @@
+"""The engine registry and the scheduled rebuild, with real builds, a real SQLite MLflow store and real Prefect."""
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from flows.config import compose_config
+from tests.conftest import make_conv_model
+from tasks.util import sha256_file
+
+PROFILE = "profiles:\n  - x: {min: [1, 3, 8, 8], opt: [2, 3, 16, 16], max: [4, 3, 32, 32]}\n"
+
+
+def offset_model(path: Path, offset: float) -> Path:
+    """The tiny conv model computing its last conv as Conv(w2 + offset) - Conv(offset): the same function in fp32,
+    but fp16 weights near `offset` keep only offset/1024 of resolution, so its fp16 engine validates worse
+    (cosine ~0.996 at offset 64, inside the 0.99 budget but worse than the plain model's 0.99999)."""
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    make_conv_model(path)
+    m = onnx.load(str(path))
+    g = m.graph
+    w2 = next(i for i in g.initializer if i.name == "w2")
+    arr = numpy_helper.to_array(w2)
+    g.initializer.remove(w2)
+    g.initializer.extend([numpy_helper.from_array((arr + offset).astype(np.float32), "w2"),
+                          numpy_helper.from_array(np.full_like(arr, offset), "w2_offset")])
+    last = g.node[-1]
+    last.output[0] = "y_up"
+    g.node.extend([helper.make_node("Conv", [last.input[0], "w2_offset"], ["y_off"], pads=[1, 1, 1, 1], name="conv_offset"),
+                   helper.make_node("Sub", ["y_up", "y_off"], ["y"], name="sub_offset")])
+    onnx.save(m, str(path))
+    return path
+
+
+@pytest.fixture()
+def farm(tmp_path):
+    """Two user models in a --config-dir, their own MLflow experiment, out and cache folders."""
+    conf = tmp_path / "conf"
+    (conf / "model").mkdir(parents=True)
+    names = {"a": f"rb_a_{uuid.uuid4().hex[:6]}", "b": f"rb_b_{uuid.uuid4().hex[:6]}"}
+    for k, name in names.items():
+        make_conv_model(tmp_path / f"{k}.onnx", channels=8 if k == "a" else 6)
+        (conf / "model" / f"{name}.yaml").write_text(f"name: {name}\nformat: onnx\nsource: {tmp_path / (k + '.onnx')}\n{PROFILE}")
+    return {"tmp": tmp_path, "conf": conf, "names": names, "experiment": f"rebuild-{uuid.uuid4().hex[:8]}"}
+
+
+def build(farm, model: str, precision: str):
+    from flows.build import run_build
+
+    ov = [f"model={model}", f"precision={precision}", f"experiment={farm['experiment']}", "stages.benchmark=false",
+          f"out_dir={farm['tmp'] / 'out'}", f"cache_dir={farm['tmp'] / 'cache'}"]
+    cfg = compose_config(ov, str(farm["conf"]))
+    return run_build(cfg, str(farm["conf"]), show_progress=False, overrides=ov)
+
+
+def client():
+    from mlflow import MlflowClient
+
+    return MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+
+
+def test_ok_builds_are_registry_versions_with_an_alias_and_rebuild_does_exactly_what_changed(prefect_harness, farm, tmp_path):
+    from flows.rebuild import rebuild_pass
+
+    a, b = farm["names"]["a"], farm["names"]["b"]
+    sa = build(farm, a, "fp16")
+    sb = build(farm, b, "fp32")
+    assert sa["status"] == sb["status"] == "ok", (sa.get("error"), sb.get("error"))
+
+    # the registry: one model per trtforge model, the engines a version linked to the run, the alias on it
+    c = client()
+    mv = c.get_model_version_by_alias(a, "sm_86-fp16")
+    assert mv.run_id == sa["mlflow"]["run_id"] and mv.source == f"{sa['mlflow']['artifact_uri']}/engine"
+    assert {k: mv.tags[k] for k in ("target", "precision", "sha256", "cache_key")} == \
+        {"target": "sm_86", "precision": "fp16", "sha256": sa["engine"]["sha256"], "cache_key": sa["cache_key"]}
+    assert mv.tags["backend"].startswith("tensorrt_rtx-")
+    import mlflow.artifacts
+    got = Path(mlflow.artifacts.download_artifacts(f"models:/{a}@sm_86-fp16", dst_path=str(tmp_path / "dl")))
+    assert sha256_file(got / sa["engine"]["file"]) == sa["engine"]["sha256"]
+
+    # nothing changed: every build is fresh, nothing is rebuilt
+    r = rebuild_pass(str(tmp_path / "r0.json"), experiment=farm["experiment"], log=lambda *_: None)
+    assert (r["checked"], r["rebuilt"], r["failed"], len(r["fresh"])) == (2, [], [], 2)
+    assert json.loads((tmp_path / "r0.json").read_text()) == r
+
+    # model a's file changes (same fp16 behaviour): exactly its engine is rebuilt and its alias moves
+    make_conv_model(tmp_path / "a.onnx", channels=7)
+    r = rebuild_pass(None, experiment=farm["experiment"], log=lambda *_: None)
+    assert [x["model"] for x in r["rebuilt"]] == [a] and [x["model"] for x in r["fresh"]] == [b] and not r["failed"]
+    moved = c.get_model_version_by_alias(a, "sm_86-fp16")
+    assert int(moved.version) == int(mv.version) + 1 and moved.run_id == r["rebuilt"][0]["run_id"]
+    assert c.get_model_version_by_alias(b, "sm_86-fp32").run_id == sb["mlflow"]["run_id"]
+    out_a = json.loads((farm["tmp"] / "out" / a / "sm_86" / "fp16" / "summary.json").read_text())
+    assert out_a["mlflow"]["run_id"] == moved.run_id
+
+    # a change that makes the fp16 engine validate worse: built and registered, but the alias stays
+    offset_model(tmp_path / "a.onnx", 64.0)
+    r = rebuild_pass(None, experiment=farm["experiment"], log=lambda *_: None)
+    assert not r["rebuilt"] and [x["model"] for x in r["failed"]] == [a], r
+    assert "validates worse" in r["failed"][0]["reason"]
+    assert c.get_model_version_by_alias(a, "sm_86-fp16").version == moved.version
+    worse = c.get_model_version(a, r["failed"][0]["version"])
+    assert float(worse.tags["cosine_min"]) < float(moved.tags["cosine_min"]) - 0.001
