@@ -124,11 +124,12 @@ def log_build(*, experiment: str, summary: dict, params: dict[str, str], resolve
     name = f"{summary['model']}-{summary['target']}-{summary['precision']}"
     ok = summary["status"] == "ok"
     again = client().search_runs([exp.experiment_id], f"tags.`trtforge.build_id` = '{build_id}'", max_results=1)
-    with mlflow.start_run(run_id=again[0].info.run_id) if again else mlflow.start_run(run_name=name) as run:
+    # who is logging, set as the run is created: a build killed at any later moment leaves a run end_orphans can end
+    owner = {"trtforge.build_id": build_id, "trtforge.pid": str(os.getpid()), "trtforge.host": socket.gethostname()}
+    with mlflow.start_run(run_id=again[0].info.run_id) if again else mlflow.start_run(run_name=name, tags=owner) as run:
         try:
             mlflow.set_tags({"model": summary["model"], "target": summary["target"], "precision": summary["precision"],
-                             "trtforge.build_id": build_id, "trtforge.pid": str(os.getpid()),
-                             "trtforge.host": socket.gethostname(), "cache_key": summary["cache_key"],
+                             **owner, "cache_key": summary["cache_key"],
                              **{f"trtforge.{k}": v for k, v in provenance.items()},
                              **{f"version.{k}": v for k, v in versions.items()}})
             mlflow.log_params(params)
