@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = settings(**args)
     url, proc = ensure_server(port)
     os.environ["PREFECT_API_URL"] = url  # before Prefect is imported: the flow runs report to this server
-    print(f"prefect server {url} ({'started here' if proc else 'already running'}); UI {url[:-4]}\n"
+    print(f"prefect server {url} ({f'started here, pid {proc.pid}' if proc else 'already running'}); UI {url[:-4]}\n"
           f"serving trtforge-rebuild/{DEPLOYMENT} on cron {opts['cron']!r} (conf/rebuild.yaml); Ctrl-C stops",
           flush=True)
     params = {"tolerance": float(opts["tolerance"]), "experiment": opts["experiment"], "rebuild_out": opts["rebuild_out"]}
