@@ -158,7 +158,8 @@ def test_cli_bad_input_found_while_exporting_exits_2_with_no_run(tmp_path):
     assert r.returncode == 2, r.stderr
     assert "model.factory='no_such_module_here:make'" in r.stderr and "fix:" in r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.splitlines()) <= 6
-    assert not (tmp_path / "cli-mlflow.db").exists() and not (tmp_path / "out").exists()  # no run, nothing published
+    assert not (tmp_path / "cli-mlflow.db").exists()  # no run
+    assert not list(tmp_path.glob("out/**/summary.json")) and not list(tmp_path.glob("out/**/*.engine"))  # nothing published
 
 
 @pytest.mark.slow
