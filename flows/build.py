@@ -72,8 +72,8 @@ def publish(ctx: stages.BuildContext) -> dict:
                            ("sensitivity_plot", "sensitivity.png")):
             if key in r.files:
                 (tmp / fname).write_bytes(Path(r.files[key]).read_bytes())
-    data = {key: {"path": OmegaConf.select(cfg, key), "sha256": ctx.facts[key + ".sha256"], "samples": len(ctx.facts[key])}
-            for key in ("calibration.data", "validation.data") if ctx.facts.get(key + ".sha256")}
+    data = {key: ctx.results[stage].details["data"] for key, stage in (("calibration", "calibrate"), ("validation", "validate"))
+            if stage in ctx.results and "data" in ctx.results[stage].details}
     if data:
         summary["data"] = data
     resolved = OmegaConf.to_yaml(cfg)

@@ -72,6 +72,8 @@ def print_stage(name: str, entry: dict) -> None:
     mark = {"ok": "[green]✓[/]", "cached": "[cyan]✓[/]", "skipped": "[yellow]-[/]", "failed": "[red]✗[/]"}.get(entry["status"], "?")
     reason = f"  [dim]{entry['reason']}[/]" if entry.get("reason") and entry["status"] != "failed" else ""
     _console().print(f" {mark} {name:<9} {entry['status']:<7} {entry.get('seconds', 0):7.2f}s{reason}")
+    for w in entry.get("warnings", []):
+        _console().print(f"   warning: {w}", markup=False, style="yellow")
 
 
 def print_summary(summary: dict, seconds: float) -> None:

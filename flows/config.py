@@ -130,7 +130,7 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> dict[str, Any]:
     """Check the whole config before any heavy step. Returns facts the flow needs (model io, profiles, backend)."""
     from tasks.backend import backend_for_target
     from tasks.models import check_safe_name, graph_io, load_onnx, resolve_source
-    from tasks.profiles import check_profiles
+    from tasks.profiles import check_profiles, shape_rules
 
     m, t, p = cfg.model, cfg.target, cfg.precision
     check_safe_name("model.name", m.name)
@@ -184,7 +184,6 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> dict[str, Any]:
         src = resolve_source(m.source, search=search)
         model = load_onnx(src)
         inputs, outputs = graph_io(model)
-        del model
     else:
         if not m.factory:
             raise ConfigError("model.factory is not set for format=torch", fix="set model.factory=module.path:callable")
@@ -197,18 +196,21 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> dict[str, Any]:
         inputs = [TensorInfo(n, s.dtype, [f"{n}_dim{i}" if (n, i) in varying else d for i, d in enumerate(s.shape)])
                   for n, s in m.inputs.items()]
         outputs = []
+        model = None
     if m.images is not None and m.images.input not in [i.name for i in inputs]:
         raise ConfigError(f"model.images.input={m.images.input!r} is not an input of the model",
                           fix=f"use one of {[i.name for i in inputs]}")
     profiles = check_profiles(OmegaConf.to_container(m.profiles), inputs)
-    facts.update(inputs=inputs, outputs=outputs, profiles=profiles, search=search)
-    from tasks.inputs import data_hash, load_feeds
+    rules = shape_rules(inputs, profiles, model, OmegaConf.to_container(m.shape_multiple))
+    del model
+    facts.update(inputs=inputs, outputs=outputs, profiles=profiles, search=search, shape_rules=rules)
+    from tasks.inputs import load_data
     for key in ("calibration.data", "validation.data"):
         path = OmegaConf.select(cfg, key)
         if path:
             limit = cal.samples if key == "calibration.data" else None
-            facts[key] = load_feeds(path, inputs, profiles, key, limit=limit)
-            facts[key + ".sha256"] = data_hash(path, key)
+            facts[key], record = load_data(path, inputs, profiles, key, limit=limit, rules=rules)
+            facts[key + ".sha256"], facts[key + ".record"] = record.sha256, record
     return facts
 
 

@@ -144,7 +144,8 @@ def _plan(ctx: BuildContext, partition_cfg: dict) -> StageResult:
     def work(d: Path) -> StageResult:
         # min/opt/max inputs per profile: running the native part on them gives the boundary tensors' profiles
         def feeds():
-            return [generated_feeds(ctx.facts["inputs"], [p], 0, ctx.cfg.seed) for p in ctx.facts["profiles"]]
+            return [generated_feeds(ctx.facts["inputs"], [p], 0, ctx.cfg.seed, rules=ctx.facts["shape_rules"])
+                    for p in ctx.facts["profiles"]]
         return plan_from_onnx(onnx_r.files["onnx"], partition_cfg, ctx.backend, d, feeds)
 
     r = ctx.cached("partition", parts, work)
@@ -240,7 +241,7 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
     from tasks.calibrate import qdq_from_onnx
     from tasks.segments import run_with_intermediates
 
-    cal_feeds, eval_feeds, data_key = _calibration_feeds(ctx)
+    cal_feeds, eval_feeds, data_key, record = _calibration_feeds(ctx)
     segs = trt_segments(ctx)
     plan = ctx.results["partition"].details
     c = ctx.cfg.calibration
@@ -295,7 +296,7 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
     files.update({f"onnx{s['index']}": q.files[f"qdq{s['index']}"] for s in segs})
     files.update({k: v for k, v in q.files.items() if k.startswith("sensitivity")})
     details = {"engines": [{**x, "onnx": q.files[f"qdq{x['segment']}"].name} for x in e.details["engines"]],
-               "quantization": q.details, "eval_samples": len(eval_feeds)}
+               "quantization": q.details, "eval_samples": len(eval_feeds), "data": record.as_dict()}
     return StageResult(files=files, metrics={**q.metrics, **e.metrics}, details=details)
 
 
@@ -314,14 +315,15 @@ def sample_progress(description: str, show: bool):
         yield lambda done, total: progress.update(task, completed=done, total=total)
 
 
-def _calibration_feeds(ctx: BuildContext) -> tuple[list, list, dict]:
-    """Calibration samples and held-out samples (for the budget search and for validation when nothing else is given).
+def _calibration_feeds(ctx: BuildContext) -> tuple[list, list, dict, Any]:
+    """Calibration samples and held-out samples (for the budget search and for validation when nothing else is given),
+    the cache key of both, and the record of what calibrates.
 
     calibration.data: up to calibration.samples arrays; a quarter (at least one) is held out when there are 4 or more.
     Else the model's images recipe: calibration.samples images at the opt shape, and 3 other images held out."""
     import numpy as np
 
-    from tasks.inputs import calibration_shapes, generated_feeds, heldout_shapes
+    from tasks.inputs import DataRecord, calibration_shapes, generated_feeds, heldout_shapes
 
     c = ctx.cfg.calibration
     data = ctx.facts.get("calibration.data")
@@ -329,19 +331,23 @@ def _calibration_feeds(ctx: BuildContext) -> tuple[list, list, dict]:
         n_hold = max(1, len(data) // 4) if len(data) >= 4 else 0
         cal, held = (data[:-n_hold], data[-n_hold:]) if n_hold else (data, [])
         ctx.facts["heldout"] = held
-        return cal, held or cal, {"data": ctx.facts["calibration.data.sha256"], "hold": n_hold}
+        rec = ctx.facts["calibration.data.record"]
+        record = DataRecord.of(cal, "file", path=rec.path, sha256=rec.sha256, files=rec.files,
+                               notes=[f"{len(held)} feeds held out for the accuracy search and validation"] if held else [])
+        return cal, held or cal, {"data": ctx.facts["calibration.data.sha256"], "hold": n_hold}, record
     recipe = ctx.c("model.images")
     rng = np.random.default_rng(ctx.cfg.seed + 1000)
-    mult = ctx.c("model.shape_multiple")
+    rules = ctx.facts["shape_rules"]
     prof = ctx.facts["profiles"][0]
-    cal_shapes = calibration_shapes(prof, c.samples, rng, mult)
-    held_shapes = heldout_shapes(prof, 3, rng, mult)
+    cal_shapes = calibration_shapes(prof, c.samples, rng, rules)
+    held_shapes = heldout_shapes(prof, 3, rng, rules)
     cal = [generated_feeds(ctx.facts["inputs"], [s], 0, ctx.cfg.seed + 1000 + i, recipe=recipe, offset=i)[0]
            for i, s in enumerate(cal_shapes)]
     held = [generated_feeds(ctx.facts["inputs"], [s], 0, ctx.cfg.seed + 5000 + i, recipe=recipe, offset=c.samples + i)[0]
             for i, s in enumerate(held_shapes)]
+    record = DataRecord.of(cal, "images" if recipe else "random", recipe=recipe)
     return cal, held, {"recipe": recipe, "shapes": cal_shapes + held_shapes, "seed": ctx.cfg.seed,
-                       "generator": GENERATOR_VERSION}
+                       "generator": GENERATOR_VERSION}, record
 
 
 def sensitivity_report(segments: list[dict], d: Path) -> dict[str, Path]:
@@ -373,22 +379,29 @@ def sensitivity_report(segments: list[dict], d: Path) -> dict[str, Path]:
     return files
 
 
-def _feeds(ctx: BuildContext, purpose: str) -> tuple[list, str, dict]:
-    """Inputs for validation: validation.data, else the model's images recipe, else random inside the profiles."""
-    from tasks.inputs import generated_feeds
+def _feeds(ctx: BuildContext, purpose: str) -> tuple[list, str, dict, Any]:
+    """Inputs for validation: validation.data, else held-out calibration data, else the model's images recipe, else
+    random inside the profiles (tied dims drawn as one, each dim on its step); the cache key; the record."""
+    from tasks.inputs import DataRecord, generated_feeds
 
     v = ctx.cfg.validation
     if ctx.facts.get("validation.data"):
-        return ctx.facts["validation.data"], f"validation.data ({v.data})", {"data": ctx.facts["validation.data.sha256"]}
+        return (ctx.facts["validation.data"], f"validation.data ({v.data})", {"data": ctx.facts["validation.data.sha256"]},
+                ctx.facts["validation.data.record"])
     if ctx.facts.get("heldout"):
+        rec = ctx.facts["calibration.data.record"]
         return ctx.facts["heldout"], "held-out calibration samples", {"data": ctx.facts["calibration.data.sha256"],
-                                                                      "heldout": len(ctx.facts["heldout"])}
+                                                                      "heldout": len(ctx.facts["heldout"])}, \
+            DataRecord.of(ctx.facts["heldout"], "held-out calibration data", path=rec.path, sha256=rec.sha256, files=rec.files)
     recipe = ctx.c("model.images")
-    feeds = generated_feeds(ctx.facts["inputs"], ctx.facts["profiles"], v.samples, v.seed, recipe=recipe,
-                            multiples=ctx.c("model.shape_multiple"))
+    rules = ctx.facts["shape_rules"]
+    feeds = generated_feeds(ctx.facts["inputs"], ctx.facts["profiles"], v.samples, v.seed, recipe=recipe, rules=rules)
     src = f"images ({recipe['source']})" if recipe else "random"
-    return feeds, src, {"recipe": recipe, "samples": v.samples, "seed": v.seed, "multiple": ctx.c("model.shape_multiple"),
-                        "generator": GENERATOR_VERSION}
+    notes = [f"shapes drawn on steps {rules.inferred} inferred from the profiles (set model.shape_multiple to choose)"] \
+        if rules.inferred else []
+    return feeds, src, {"recipe": recipe, "samples": v.samples, "seed": v.seed, "rules": rules.as_dict(),
+                        "generator": GENERATOR_VERSION}, DataRecord.of(feeds, "images" if recipe else "random",
+                                                                       recipe=recipe, notes=notes)
 
 
 def deliverable(ctx: BuildContext) -> StageResult:
@@ -439,7 +452,7 @@ def validate(ctx: BuildContext) -> StageResult:
     gpu = trt_backend.gpu_for(cc)
     engine_reason = None if (gpu and ctx.cfg.validation.engine) else (
         "disabled (validation.engine=false)" if not ctx.cfg.validation.engine else trt_backend.no_gpu_reason(cc))
-    feeds, source, feed_key = _feeds(ctx, "validate")
+    feeds, source, feed_key, record = _feeds(ctx, "validate")
     parts = {"reference": file_hash(ref, "onnx"), "candidate": [sha256_file(o) for _, _, o in engines_of(cand)],
              "plan": sha256_file(ctx.results["partition"].files["partition"]), "feeds": feed_key,
              "min_cosine": ctx.cfg.accuracy.min_cosine,
@@ -459,6 +472,11 @@ def validate(ctx: BuildContext) -> StageResult:
 
     label = f"{ctx.cfg.model.name} at {ctx.cfg.precision.name}"
     r = ctx.cached("validate", parts, work)
+    shape_warnings = [w for w in r.details.get("warnings", []) if "fp32 model itself" in w]
+    if shape_warnings:
+        ctx.stages.setdefault("validate", {})["warnings"] = shape_warnings
+        record.notes.append(f"{len(shape_warnings)} drawn shapes left out: the fp32 model itself fails on them")
+    r.details["data"] = record.as_dict()
     if not r.details["passed"]:
         worst = min(r.details["outputs"], key=lambda n: r.details["outputs"][n]["cosine"])
         e = AccuracyError(f"output {worst!r} has cosine {r.metrics['cosine_min']:.6f} to fp32, below "

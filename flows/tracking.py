@@ -133,8 +133,10 @@ def log_build(*, experiment: str, summary: dict, params: dict[str, str], resolve
                              **{f"trtforge.{k}": v for k, v in provenance.items()},
                              **{f"version.{k}": v for k, v in versions.items()}})
             mlflow.log_params(params)
-            for key, d in summary.get("data", {}).items():
-                mlflow.set_tag(f"{key}.sha256", d["sha256"])
+            for key, d in summary.get("data", {}).items():  # what calibrated / validated
+                mlflow.set_tag(f"{key}.data", d.get("summary", d.get("source", "")))
+                if d.get("sha256"):
+                    mlflow.set_tag(f"{key}.data.sha256", d["sha256"])
             metrics = {k: float(v) for k, v in summary.get("metrics", {}).items()
                        if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(float(v)) != float("inf")}
             for stage, s in summary["stages"].items():

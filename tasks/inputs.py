@@ -1,6 +1,7 @@
 """Model inputs for calibration and validation: user arrays, images, or random values inside the profiles."""
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -8,7 +9,7 @@ import numpy as np
 
 from .errors import ConfigError
 from .models import TensorInfo
-from .profiles import shapes_in_profile
+from .profiles import ShapeRules, named_ties, shapes_in_profile
 from .samples import images_batch
 from .util import sha256_file
 
@@ -44,9 +45,17 @@ def data_hash(path: str, key: str) -> str:
 
 
 def load_feeds(path: str, inputs: list[TensorInfo], profiles: list[dict], key: str, limit: int | None = None) -> list[Feed]:
-    """Each file is one feed; a file whose arrays have one extra leading axis holds several samples."""
+    return load_data(path, inputs, profiles, key, limit)[0]
+
+
+def load_data(path: str, inputs: list[TensorInfo], profiles: list[dict], key: str, limit: int | None = None,
+              rules: ShapeRules | None = None) -> tuple[list[Feed], "DataRecord"]:
+    """Feeds from .npz/.npy files, and the record of what they are. Per file: arrays with the inputs' own rank hold
+    samples along axis 0 and are split into batches that fit a profile; arrays with one more leading axis are a
+    stack of batches. `limit` caps the number of samples; dims the model ties (rules) must agree."""
     names = [t.name for t in inputs]
     feeds: list[Feed] = []
+    files = []
     for f in data_files(path, key):
         try:
             if f.suffix == ".npy":
@@ -66,23 +75,83 @@ def load_feeds(path: str, inputs: list[TensorInfo], profiles: list[dict], key: s
         if extra or missing:
             raise ConfigError(f"{key}: {f.name} has arrays {sorted(arrays)} but the model's inputs are {names}",
                               file=str(f), fix="name one array per model input" + (f"; missing {missing}" if missing else ""))
-        ranks = {t.name: t.rank for t in inputs}
-        stacked = all(arrays[n].ndim == ranks[n] + 1 for n in names)
-        count = len(arrays[names[0]]) if stacked else 1
-        for i in range(count):
-            feeds.append({n: arrays[n][i] if stacked else arrays[n] for n in names})
-            if limit and len(feeds) >= limit:
-                break
-        if limit and len(feeds) >= limit:
+        files.append({"file": f.name, "sha256": sha256_file(f)})
+        feeds += _file_feeds(arrays, inputs, profiles, f"{key}: {f.name}")
+        if limit and sum(batch_size(x) for x in feeds) >= limit:
             break
+    if limit:
+        feeds = _cap(feeds, limit)
     if not feeds:
         raise ConfigError(f"{key}={path!r} holds no samples", fix="add at least one sample")
     for i, feed in enumerate(feeds):
-        check_feed(feed, inputs, profiles, f"{key} sample {i}")
-    return feeds
+        check_feed(feed, inputs, profiles, f"{key} sample {i}", rules)
+    record = DataRecord.of(feeds, "file", path=str(path), sha256=data_hash(path, key), files=files)
+    return feeds, record
 
 
-def check_feed(feed: Feed, inputs: list[TensorInfo], profiles: list[dict], what: str) -> None:
+def _file_feeds(arrays: dict[str, np.ndarray], inputs: list[TensorInfo], profiles: list[dict], what: str) -> list[Feed]:
+    names = [t.name for t in inputs]
+    extra_axes = {t.name: arrays[t.name].ndim - t.rank for t in inputs}
+    if all(v == 1 for v in extra_axes.values()):  # a stack of batches
+        counts = {n: len(arrays[n]) for n in names}
+        if len(set(counts.values())) != 1:
+            raise ConfigError(f"{what}: the stacks hold different numbers of batches {counts}",
+                              fix="give every input the same number of batches on the leading axis")
+        return [{n: arrays[n][i] for n in names} for i in range(counts[names[0]])]
+    if all(v == 0 for v in extra_axes.values()):
+        return split_batches(arrays, inputs, profiles, what)
+    bad = next(t for t in inputs if extra_axes[t.name] not in (0, 1) or extra_axes[t.name] != extra_axes[names[0]])
+    raise ConfigError(f"{what}: array {bad.name!r} has shape {list(arrays[bad.name].shape)} but the model's input is "
+                      f"{bad.shape} (rank {bad.rank}), and all arrays of a file must take the same form",
+                      fix=f"give every input rank {bad.rank} (samples along axis 0) or rank {bad.rank + 1} (a stack of batches)")
+
+
+def split_batches(arrays: dict[str, np.ndarray], inputs: list[TensorInfo], profiles: list[dict], what: str) -> list[Feed]:
+    """Samples along axis 0 -> batches of the opt batch size of the first profile their other dims fit (a static
+    batch-1 model gets one sample per feed). Arrays that fit no profile come back whole, for check_feed to refuse."""
+    names = [t.name for t in inputs]
+    batched = [n for n in names if arrays[n].ndim > 0]
+    if not batched:
+        return [dict(arrays)]
+    counts = {n: arrays[n].shape[0] for n in batched}
+    for p in profiles:
+        fits = all(all(lo <= d <= hi for d, lo, hi in zip(arrays[n].shape[1:], p[n]["min"][1:], p[n]["max"][1:]))
+                   for n in batched)
+        if not fits:
+            continue
+        lo = max(p[n]["min"][0] for n in batched)
+        hi = min(p[n]["max"][0] for n in batched)
+        if len(set(counts.values())) != 1:
+            if all(lo <= c <= hi for c in counts.values()):
+                return [dict(arrays)]
+            raise ConfigError(f"{what}: the arrays hold different numbers of samples on axis 0 {counts}",
+                              fix="give every input the same number of samples")
+        if lo > hi:
+            continue
+        b = min(max(p[batched[0]]["opt"][0], lo), hi)
+        n = counts[batched[0]]
+        out = [{k: (a[i:i + b] if k in batched else a) for k, a in arrays.items()} for i in range(0, n, b)]
+        return [f for f in out if batch_size(f) >= lo] or out[:1]
+    return [dict(arrays)]
+
+
+def batch_size(feed: Feed) -> int:
+    a = next((a for a in feed.values() if a.ndim > 0), None)
+    return int(a.shape[0]) if a is not None else 1
+
+
+def _cap(feeds: list[Feed], limit: int) -> list[Feed]:
+    """Whole feeds until `limit` samples are reached (a batch is never cut below its profile's minimum)."""
+    out, n = [], 0
+    for f in feeds:
+        if n >= limit:
+            break
+        out.append(f)
+        n += batch_size(f)
+    return out
+
+
+def check_feed(feed: Feed, inputs: list[TensorInfo], profiles: list[dict], what: str, rules: ShapeRules | None = None) -> None:
     for t in inputs:
         a = feed[t.name]
         want = NP_DTYPES.get(t.dtype)
@@ -96,6 +165,12 @@ def check_feed(feed: Feed, inputs: list[TensorInfo], profiles: list[dict], what:
             raise ConfigError(f"{what}: input {t.name!r} is empty {list(a.shape)}", fix="give non-empty arrays")
         if np.issubdtype(a.dtype, np.floating) and not np.isfinite(a).all():
             raise ConfigError(f"{what}: input {t.name!r} has NaN or Inf values", fix="clean the data")
+    for t in (rules.ties if rules else []):
+        (na, ia), (nb, ib) = t.a, t.b
+        da, db = feed[na].shape[ia], feed[nb].shape[ib]
+        if t.hard and da != db and not (t.kind == "graph" and 1 in (da, db)):
+            raise ConfigError(f"{what}: input {na!r} dim {ia} is {da} but input {nb!r} dim {ib} is {db}; the model needs "
+                              f"them equal ({t.why})", fix=f"give {nb!r} the same size in dim {ib} as {na!r}")
     ok = any(all(all(lo <= d <= hi for d, lo, hi in zip(feed[n].shape, r["min"], r["max"])) for n, r in p.items())
              for p in profiles)
     if not ok:
@@ -115,14 +190,16 @@ def random_value(t: TensorInfo, shape: list[int], rng: np.random.Generator) -> n
 
 
 def generated_feeds(inputs: list[TensorInfo], profiles: list[dict], n_random: int, seed: int,
-                    recipe: Any | None = None, offset: int = 0, multiples: dict | None = None) -> list[Feed]:
-    """Feeds at min, opt, max (and random shapes between) of each profile: images where a recipe says so, else noise."""
+                    recipe: Any | None = None, offset: int = 0, multiples: dict | None = None,
+                    rules: ShapeRules | None = None) -> list[Feed]:
+    """Feeds at min, opt, max (and random shapes between) of each profile: images where a recipe says so, else noise.
+    Tied dims (rules; by default the inputs' shared dim names) get one value, each dim on its step."""
     rng = np.random.default_rng(seed)
-    dim_names = {t.name: t.shape for t in inputs}
+    rules = rules or ShapeRules(named_ties(inputs), dict(multiples or {}))
     by_name = {t.name: t for t in inputs}
     feeds = []
     for prof in profiles:
-        for shape in shapes_in_profile(prof, n_random, rng, dim_names, multiples):
+        for shape in shapes_in_profile(prof, n_random, rng, rules):
             feed = {}
             for name, s in shape.items():
                 if recipe is not None and name == recipe["input"]:
@@ -133,10 +210,16 @@ def generated_feeds(inputs: list[TensorInfo], profiles: list[dict], n_random: in
     return feeds
 
 
-def calibration_shapes(profile: dict, n: int, rng: np.random.Generator, multiples: dict | None = None,
+def _fixed(shape: dict[str, list[int]]) -> dict:
+    return {n: {"min": d, "opt": d, "max": d} for n, d in shape.items()}
+
+
+def calibration_shapes(profile: dict, n: int, rng: np.random.Generator, rules: ShapeRules | None = None,
                        spread: tuple[float, float] = (0.6, 1.3)) -> list[dict]:
     """n single-sample shapes around the opt shape (batch 1; other dims scaled by a random factor, kept inside the
-    profile and on the model's multiples): calibration sees content at several scales without max-size cost."""
+    profile and on their steps, tied dims alike): calibration sees content at several scales without max-size cost."""
+    rules = rules or ShapeRules()
+    steps = rules.group_steps(profile)
     shapes = []
     for i in range(n):
         f = 1.0 if i == 0 else float(rng.uniform(*spread))
@@ -144,41 +227,83 @@ def calibration_shapes(profile: dict, n: int, rng: np.random.Generator, multiple
         for name, r in profile.items():
             dims = []
             for d, (lo, opt, hi) in enumerate(zip(r["min"], r["opt"], r["max"])):
-                if d == 0 and lo <= 1:
+                if lo == hi:
+                    dims.append(lo)
+                elif d == 0 and lo <= 1:
                     dims.append(1)
-                    continue
-                step = int(((multiples or {}).get(name) or [1] * len(r["opt"]))[d])
-                v = int(round(opt * f / step)) * step if lo != hi else opt
-                dims.append(int(min(max(v, lo), hi)))
-            shape[name] = {"min": dims, "opt": dims, "max": dims}
-        shapes.append(shape)
+                else:
+                    step = steps[rules.group((name, d))]
+                    dims.append(int(min(max(int(round(opt * f / step)) * step, lo), hi)))
+            shape[name] = dims
+        shapes.append(_fixed(shape))
     return shapes
 
 
-def heldout_shapes(profile: dict, n_random: int, rng: np.random.Generator, multiples: dict | None = None) -> list[dict]:
+def heldout_shapes(profile: dict, n_random: int, rng: np.random.Generator, rules: ShapeRules | None = None) -> list[dict]:
     """Shapes like validation draws them (min, opt, random in between: every aspect ratio), with batch 1 and at most
-    the opt shape's size, so that an accuracy search judged on them agrees with validate at a fraction of the cost."""
-    from .profiles import shapes_in_profile
-
+    the opt shape's size, so that an accuracy search judged on them agrees with validate at a fraction of the cost.
+    One shrink factor per shape, so tied dims stay equal."""
+    rules = rules or ShapeRules()
+    steps = rules.group_steps(profile)
     out = []
-    for s in shapes_in_profile(profile, n_random, rng, None, multiples):
+    for s in shapes_in_profile(profile, n_random, rng, rules):
+        f = 1.0
+        for name, dims in s.items():
+            r = profile[name]
+            varying = [d for d in range(1, len(dims)) if r["min"][d] != r["max"][d]]
+            vol, opt_vol = float(np.prod([dims[d] for d in varying])), float(np.prod([r["opt"][d] for d in varying]))
+            if varying and vol > opt_vol:  # shrink the varying dims to the opt size, keeping their ratio
+                f = min(f, (opt_vol / vol) ** (1.0 / len(varying)))
         shape = {}
         for name, dims in s.items():
             r = profile[name]
             dims = list(dims)
-            if r["min"][0] <= 1 and len(dims) > 0:
+            if dims and r["min"][0] <= 1:
                 dims[0] = 1
-            vol, opt_vol = float(np.prod(dims[1:])), float(np.prod(r["opt"][1:]))
-            if vol > opt_vol:  # shrink the varying dims to the opt size, keeping their ratio
-                varying = [d for d in range(1, len(dims)) if r["min"][d] != r["max"][d]]
-                f = (opt_vol / vol) ** (1.0 / max(1, len(varying)))
-                step = (multiples or {}).get(name) or [1] * len(dims)
-                for d in varying:
-                    dims[d] = int(min(max(int(dims[d] * f) // int(step[d]) * int(step[d]), r["min"][d]), r["max"][d]))
-            shape[name] = {"min": dims, "opt": dims, "max": dims}
-        out.append(shape)
+            for d in range(1, len(dims)):
+                if r["min"][d] != r["max"][d] and f < 1.0:
+                    step = steps[rules.group((name, d))]
+                    dims[d] = int(min(max(int(dims[d] * f) // step * step, r["min"][d]), r["max"][d]))
+            shape[name] = dims
+        out.append(_fixed(shape))
     return out
 
 
 def describe_feeds(feeds: list[Feed]) -> list[dict[str, list[int]]]:
     return [{n: list(a.shape) for n, a in f.items()} for f in feeds]
+
+
+@dataclass
+class DataRecord:
+    """What a stage calibrated or validated on, for summary.json ("data") and the MLflow run: the files and their
+    sha256, or the model's image recipe, or random inputs; how many feeds and samples, and their shapes."""
+
+    source: str  # "file" | "images" | "random" | "held-out calibration data"
+    feeds: int
+    samples: int
+    shapes: list[dict] = field(default_factory=list)  # distinct feed shapes, each {"shape": {input: dims}, "feeds": n}
+    path: str | None = None
+    sha256: str | None = None
+    files: list[dict] = field(default_factory=list)  # [{"file", "sha256"}]
+    recipe: dict | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, feeds: list[Feed], source: str, **kw: Any) -> "DataRecord":
+        counts: dict[str, int] = {}
+        shapes: dict[str, dict] = {}
+        for f in feeds:
+            shape = {n: list(a.shape) for n, a in f.items()}
+            k = repr(sorted(shape.items()))
+            counts[k] = counts.get(k, 0) + 1
+            shapes.setdefault(k, shape)
+        return cls(source, len(feeds), sum(batch_size(f) for f in feeds),
+                   [{"shape": shapes[k], "feeds": counts[k]} for k in shapes], **kw)
+
+    def describe(self) -> str:
+        what = {"file": f"{self.path} (sha256 {str(self.sha256)[:12]})",
+                "images": f"images ({(self.recipe or {}).get('source')})"}.get(self.source, self.source)
+        return f"{what}: {self.samples} samples in {self.feeds} feeds"
+
+    def as_dict(self) -> dict:
+        return {"summary": self.describe(), **{k: v for k, v in asdict(self).items() if v not in (None, [], {})}}

@@ -1,7 +1,7 @@
 """Hybrid execution, as Paddle Inference and ONNX Runtime's TensorRT provider do it: the graph is cut into
 segments in topological order; TensorRT segments become engines, the rest runs natively in ONNX Runtime.
 
-- `segments_from_assignment`: contiguous runs of TensorRT / native nodes (always acyclic);
+- `segments_from_assignment`: connected components of TensorRT / native nodes, merged only where acyclic;
 - `boundary_shapes`: run the fp32 model on min/opt/max inputs with every boundary tensor as an extra output,
   which gives each TensorRT segment's input profiles (shapes propagated through the native ops);
 - `extract_segment`: one self-contained ONNX per segment;
@@ -35,14 +35,98 @@ class Segment:
         return asdict(self)
 
 
+def node_graph(g) -> tuple[list[set[int]], list[set[int]]]:
+    """Predecessors and successors of each node (through tensors, including subgraphs' outer-scope inputs)."""
+    producer = {o: i for i, node in enumerate(g.node) for o in node.output if o}
+    preds: list[set[int]] = [set() for _ in g.node]
+    succs: list[set[int]] = [set() for _ in g.node]
+    for i, node in enumerate(g.node):
+        for x in node_inputs(node):
+            j = producer.get(x)
+            if j is not None and j != i:
+                preds[i].add(j)
+                succs[j].add(i)
+    return preds, succs
+
+
+def _topo(keys: list[int], preds: dict[int, set[int]], rank: dict[int, int]) -> list[int]:
+    """Kahn's order of `keys` (a DAG), ties broken by `rank` (so an already sorted graph keeps its order)."""
+    import heapq
+
+    left = {k: len(preds[k]) for k in keys}
+    succ: dict[int, list[int]] = {k: [] for k in keys}
+    for k in keys:
+        for p in preds[k]:
+            succ[p].append(k)
+    heap = [(rank[k], k) for k in keys if left[k] == 0]
+    heapq.heapify(heap)
+    out = []
+    while heap:
+        _, k = heapq.heappop(heap)
+        out.append(k)
+        for s in succ[k]:
+            left[s] -= 1
+            if left[s] == 0:
+                heapq.heappush(heap, (rank[s], s))
+    if len(out) != len(keys):
+        raise ValueError("the graph has a cycle")
+    return out
+
+
 def segments_from_assignment(model, trt_nodes: set[int]) -> list[Segment]:
+    """Segments = connected components of same-kind nodes (TensorRT or native), merged along their edges only where
+    that keeps the segments acyclic, so a native node on one branch does not split an independent branch (runs in
+    node order would). Segments come in a topological order, which `Composed` runs them in."""
     g = model.graph
+    preds, succs = node_graph(g)
     kinds = ["trt" if i in trt_nodes else "native" for i in range(len(g.node))]
-    segments: list[Segment] = []
-    for i, kind in enumerate(kinds):
-        if not segments or segments[-1].kind != kind:
-            segments.append(Segment(len(segments), kind, []))
-        segments[-1].nodes.append(i)
+    order = _topo(list(range(len(g.node))), dict(enumerate(preds)), {i: i for i in range(len(g.node))})
+    pos = {i: k for k, i in enumerate(order)}
+    parent = list(range(len(g.node)))  # union-find over nodes; a root is a cluster
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    c_succ: dict[int, set[int]] = {i: set(succs[i]) for i in range(len(g.node))}
+    c_pred: dict[int, set[int]] = {i: set(preds[i]) for i in range(len(g.node))}
+
+    def reaches_indirectly(a: int, b: int, limit: int) -> bool:
+        """A path a -> ... -> b through some other cluster (merging a and b would then make a cycle). Nodes are
+        visited in topological order, so a cluster rooted after `limit` is a lone later node that cannot lead back."""
+        stack, seen = [c for c in c_succ[a] if c != b], set()
+        while stack:
+            c = stack.pop()
+            if c == b:
+                return True
+            if c not in seen and pos[c] <= limit:
+                seen.add(c)
+                stack.extend(c_succ[c])
+        return False
+
+    for i in order:
+        for j in sorted(preds[i], key=pos.get):
+            a, b = find(j), find(i)
+            if a == b or kinds[a] != kinds[b] or reaches_indirectly(a, b, pos[i]) or reaches_indirectly(b, a, pos[i]):
+                continue
+            parent[b] = a  # merge cluster b into a, rewiring b's edges
+            for x in c_succ.pop(b):
+                c_pred[x].discard(b)
+                if x != a:
+                    c_pred[x].add(a)
+                    c_succ[a].add(x)
+            for x in c_pred.pop(b):
+                c_succ[x].discard(b)
+                if x != a:
+                    c_succ[x].add(a)
+                    c_pred[a].add(x)
+    members: dict[int, list[int]] = {}
+    for i in order:
+        members.setdefault(find(i), []).append(i)
+    first = {c: pos[m[0]] for c, m in members.items()}
+    segments = [Segment(k, kinds[members[c][0]], members[c]) for k, c in enumerate(_topo(list(members), c_pred, first))]
     inits = {t.name for t in g.initializer}
     graph_outputs = [o.name for o in g.output]
     produced_in = {}

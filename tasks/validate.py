@@ -7,7 +7,7 @@ from typing import Callable
 
 import numpy as np
 
-from .errors import AccuracyError
+from .errors import AccuracyError, StageError
 from .runtime import ort_run, ort_session
 from .util import StageResult, write_json
 
@@ -69,6 +69,28 @@ def summarize(per_feed: list[dict[str, dict]]) -> dict[str, dict]:
     return worst
 
 
+def reference_outputs(ref_sess, feeds: list[dict[str, np.ndarray]]) -> tuple[list[dict], list[int], list[str]]:
+    """fp32 outputs per feed. A shape on which the fp32 model itself fails is a property of the model (a stride it
+    needs), not of the conversion: it is left out with a warning naming the shape and model.shape_multiple."""
+    refs, kept, warnings = [], [], []
+    for i, f in enumerate(feeds):
+        try:
+            refs.append(ort_run(ref_sess, f))
+            kept.append(i)
+        except StageError as e:
+            shapes = {n: list(a.shape) for n, a in f.items()}
+            name, a = max(f.items(), key=lambda kv: kv[1].ndim)
+            k = min(2, max(0, a.ndim - 1))  # the trailing (spatial) dims
+            example = "{" + f"{name}: [" + ", ".join(["1"] * (a.ndim - k) + ["32"] * k) + "]}"
+            warnings.append(f"the fp32 model itself fails on input shape {shapes} ({e.message.split(': ', 1)[-1][:160]}); "
+                            f"left out of validation: set model.shape_multiple to the model's stride per input and dim "
+                            f"(e.g. shape_multiple: {example} in the model YAML) so that drawn shapes fit the model")
+    if not kept:
+        raise StageError(f"the fp32 model fails on every validation input: {warnings[0] if warnings else ''}",
+                         stage="validate", fix="check model.profiles and model.shape_multiple against what the model accepts")
+    return refs, kept, warnings
+
+
 def validate_onnx(reference: Path, candidate: Path | Callable, feeds: list[dict[str, np.ndarray]], min_cosine: float,
                   inputs_source: str, out_path: Path, engine_outputs: list[dict[str, np.ndarray]] | None = None,
                   engine_skip_reason: str | None = None, label: str | None = None) -> StageResult:
@@ -82,11 +104,13 @@ def validate_onnx(reference: Path, candidate: Path | Callable, feeds: list[dict[
         cand_sess = ort_session(candidate)
         def run_candidate(f):
             return ort_run(cand_sess, f)
-    refs = [ort_run(ref_sess, f) for f in feeds]
+    refs, kept, warnings = reference_outputs(ref_sess, feeds)
+    feeds = [feeds[i] for i in kept]
+    if engine_outputs is not None:
+        engine_outputs = [engine_outputs[i] for i in kept]
     per_feed = [compare(r, run_candidate(f)) for r, f in zip(refs, feeds)]
     worst = summarize(per_feed)
     cosine_min = min(m["cosine"] for m in worst.values())
-    warnings = []
     near_zero = [n for n, m in worst.items() if m["ref_max_abs"] < NEAR_ZERO]
     if near_zero:
         warnings.append(f"reference outputs {near_zero} are ~0 on these inputs (max |x| < {NEAR_ZERO}); their cosine compares "

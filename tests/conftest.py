@@ -136,3 +136,49 @@ def make_hybrid_model(path: Path, contrib_ops=("FastGelu", "QuickGelu"), channel
 @pytest.fixture(scope="session")
 def hybrid_onnx(session_tmp) -> Path:
     return make_hybrid_model(session_tmp / "hybrid.onnx")
+
+
+def make_two_input_model(path: Path, hidden: int = 16, vocab: int = 32) -> Path:
+    """A transformer-like encoder layer with two inputs, as the legacy PyTorch exporter names them (each input's dims
+    get their own names): input_ids and attention_mask [batch, seq] int64 -> embedding, single-head attention with
+    the mask as an additive bias -> y [batch, seq, hidden]. Only the graph says their dims must agree."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(4)
+    w = [numpy_helper.from_array((rng.standard_normal(s) * 0.3).astype(np.float32), n)
+         for n, s in (("emb", (vocab, hidden)), ("wq", (hidden, hidden)), ("wk", (hidden, hidden)), ("wv", (hidden, hidden)))]
+    w += [numpy_helper.from_array(np.array(v, np.float32), n) for n, v in (("one", 1.0), ("neg", -1e4), ("scale", 0.25))]
+    w += [numpy_helper.from_array(np.array([1], np.int64), "ax1")]
+    mk = helper.make_node
+    nodes = [mk("Gather", ["emb", "input_ids"], ["h"], name="embed"),
+             mk("MatMul", ["h", "wq"], ["q"], name="q"), mk("MatMul", ["h", "wk"], ["k"], name="k"),
+             mk("MatMul", ["h", "wv"], ["v"], name="v"),
+             mk("Transpose", ["k"], ["kt"], perm=[0, 2, 1], name="kt"),
+             mk("MatMul", ["q", "kt"], ["s0"], name="scores"), mk("Mul", ["s0", "scale"], ["s1"], name="scaled"),
+             mk("Cast", ["attention_mask"], ["mf"], to=TensorProto.FLOAT, name="mask_float"),
+             mk("Sub", ["one", "mf"], ["inv"], name="mask_inv"), mk("Mul", ["inv", "neg"], ["bias0"], name="mask_bias"),
+             mk("Unsqueeze", ["bias0", "ax1"], ["bias"], name="mask_unsqueeze"),
+             mk("Add", ["s1", "bias"], ["s2"], name="masked_scores"),
+             mk("Softmax", ["s2"], ["p"], axis=-1, name="softmax"), mk("MatMul", ["p", "v"], ["y"], name="context")]
+    graph = helper.make_graph(
+        nodes, "two_input_encoder",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["input_ids_dim0", "input_ids_dim1"]),
+         helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["attention_mask_dim0", "attention_mask_dim1"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", hidden])], initializer=w)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="trtforge-tests")
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def two_input_conf(session_tmp) -> Path:
+    """A user config dir with the two-input encoder, profiled the obvious way (both inputs alike)."""
+    d = session_tmp / "twoinput"
+    (d / "model").mkdir(parents=True, exist_ok=True)
+    onnx_path = make_two_input_model(d / "encoder.onnx")
+    rng = "{min: [1, 1], opt: [2, 16], max: [4, 32]}"
+    (d / "model" / "encoder.yaml").write_text(
+        f"name: encoder\nsource: {onnx_path}\nprofiles:\n  - input_ids: {rng}\n    attention_mask: {rng}\n")
+    return d

@@ -228,7 +228,10 @@ def test_int8_from_calibration_data_is_quantized_validated_and_cached_across_tar
     assert "needs a GPU" in json.loads((Path(s["out_dir"]) / "benchmark.json").read_text())["quantized_vs_baseline"]
     from tasks.inputs import data_hash
     digest = data_hash(str(tiny_calibration), "calibration.data")
-    assert s["data"]["calibration.data"]["sha256"] == digest
+    cal, val = s["data"]["calibration"], s["data"]["validation"]
+    assert cal["sha256"] == digest and (cal["source"], cal["samples"], cal["feeds"]) == ("file", 9, 9)
+    assert cal["shapes"] == [{"shape": {"x": [1, 3, 16, 16]}, "feeds": 9}] and cal["files"][0]["file"] == "cal.npz"
+    assert (val["source"], val["samples"], val["sha256"]) == ("held-out calibration data", 3, digest)
     run = mlflow_run(s["mlflow"]["run_id"]).get_run(s["mlflow"]["run_id"])
     assert run.data.tags["calibration.data.sha256"] == digest
     # another target: the Q/DQ graph comes from the cache, only the engine is built
@@ -295,3 +298,18 @@ def test_on_a_supported_gpu_the_engines_are_validated_and_timed(prefect_harness,
     assert v["engine"]["status"] == "ok" and v["engine"]["cosine_min"] >= 0.98
     b = json.loads((Path(s["out_dir"]) / "benchmark.json").read_text())
     assert b["engine"]["p50_ms"] > 0 and s["metrics"]["trt_p50_ms"] > 0
+
+
+def test_two_input_encoder_validates_on_shapes_where_both_inputs_agree(prefect_harness, two_input_conf, tmp_path):
+    """The real failure: input_ids and attention_mask (distinct dim names, tied by the graph) were drawn [14, 85] and
+    [9, 40]. Now every drawn shape agrees, the build is ok, and summary.json says what validated."""
+    s = build(["model=encoder", "precision=fp16", "validation.samples=6", "stages.benchmark=false"], two_input_conf, tmp_path)
+    assert s["status"] == "ok", s.get("error")
+    feeds = json.loads((Path(s["out_dir"]) / "validation.json").read_text())["feeds"]
+    assert len(feeds) >= 7 and all(f["input_ids"] == f["attention_mask"] for f in feeds)
+    assert len({tuple(f["input_ids"]) for f in feeds}) >= 5
+    assert s["metrics"]["cosine_min"] >= 0.99
+    data = s["data"]["validation"]
+    assert data["source"] == "random" and data["feeds"] == len(feeds) and "samples" in data["summary"]
+    client = mlflow_run(s["mlflow"]["run_id"])
+    assert "random" in client.get_run(s["mlflow"]["run_id"]).data.tags["validation.data"]

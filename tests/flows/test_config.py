@@ -92,3 +92,15 @@ def test_calibration_data_is_checked_against_the_model(tmp_path, user_config_dir
                      ("too_big", "outside every profile"), ("nan", "NaN")]:
         msg = refused(["model=tiny", "precision=int8", f"calibration.data={tmp_path / (f + '.npz')}"], str(user_config_dir))
         assert words in msg, msg
+
+
+def test_a_profile_that_contradicts_the_graph_is_refused_naming_both_inputs(two_input_conf):
+    bad = "model.profiles=[{input_ids: {min: [1,1], opt: [2,16], max: [4,32]}, attention_mask: {min: [1,1], opt: [2,8], max: [4,16]}}]"
+    msg = refused(["model=encoder", bad], str(two_input_conf))
+    assert "'input_ids' dim 1" in msg and "'attention_mask' dim 1" in msg and "1/16/32" in msg and "masked_scores" in msg
+    assert "fix: give 'attention_mask' dim 1 the same range as 'input_ids'" in msg
+    facts = preflight(compose_config(["model=encoder"], str(two_input_conf)), str(two_input_conf))
+    tied = {(t.a, t.b) for t in facts["shape_rules"].ties if t.hard}
+    assert (("input_ids", 0), ("attention_mask", 0)) in tied and (("input_ids", 1), ("attention_mask", 1)) in tied
+    msg = refused(["model=encoder", "+model.shape_multiple.input_ids=[1,8,8]"], str(two_input_conf))
+    assert "model.shape_multiple.input_ids" in msg and "2 positive dims" in msg

@@ -42,3 +42,49 @@ def test_empty_folder_and_inf_values_are_refused(tmp_path):
     np.savez(tmp_path / "inf.npz", x=np.full((1, 3, 32, 32), np.inf, np.float32))
     with pytest.raises(ConfigError, match="NaN or Inf"):
         load_feeds(str(tmp_path / "inf.npz"), X, PROFILES, "calibration.data")
+
+
+def test_samples_along_the_batch_axis_are_split_into_batches_that_fit_the_profile(tmp_path):
+    from tasks.inputs import load_data
+
+    det = [{"x": {"min": [1, 3, 32, 32], "opt": [8, 3, 64, 64], "max": [8, 3, 64, 64]}}]
+    np.savez(tmp_path / "cal.npz", x=np.random.default_rng(0).random((16, 3, 32, 32), np.float32))
+    feeds, rec = load_data(str(tmp_path / "cal.npz"), X, det, "calibration.data")
+    assert [f["x"].shape for f in feeds] == [(8, 3, 32, 32)] * 2  # max batch 8: two batches of 8
+    assert (rec.source, rec.feeds, rec.samples, rec.shapes) == ("file", 2, 16, [{"shape": {"x": [8, 3, 32, 32]}, "feeds": 2}])
+    assert rec.sha256 and rec.files[0]["file"] == "cal.npz" and len(rec.files[0]["sha256"]) == 64
+    assert "16 samples in 2 feeds" in rec.as_dict()["summary"]
+    opt2 = [{"x": {**det[0]["x"], "opt": [2, 3, 64, 64]}}]
+    assert len(load_feeds(str(tmp_path / "cal.npz"), X, opt2, "calibration.data")) == 8  # as the opt batch suggests
+    assert len(load_feeds(str(tmp_path / "cal.npz"), X, opt2, "calibration.data", limit=5)) == 3  # >= 5 samples
+    static = [TensorInfo("x", "float32", [1, 3, 40, 24])]
+    np.savez(tmp_path / "static.npz", x=np.zeros((8, 3, 40, 24), np.float32))
+    fixed = [{"x": {"min": [1, 3, 40, 24], "opt": [1, 3, 40, 24], "max": [1, 3, 40, 24]}}]
+    feeds = load_feeds(str(tmp_path / "static.npz"), static, fixed, "validation.data")
+    assert [f["x"].shape for f in feeds] == [(1, 3, 40, 24)] * 8  # a static batch-1 model: 8 samples
+
+
+def test_two_inputs_split_together_and_mixed_forms_are_refused(tmp_path):
+    ins = [TensorInfo("input_ids", "int64", ["batch", "seq"]), TensorInfo("attention_mask", "int64", ["batch", "seq"])]
+    prof = [{n: {"min": [1, 1], "opt": [4, 16], "max": [8, 64]} for n in ("input_ids", "attention_mask")}]
+    np.savez(tmp_path / "ok.npz", input_ids=np.ones((10, 16), np.int64), attention_mask=np.ones((10, 16), np.int64))
+    feeds = load_feeds(str(tmp_path / "ok.npz"), ins, prof, "validation.data")
+    assert [f["input_ids"].shape[0] for f in feeds] == [4, 4, 2]
+    assert all(f["input_ids"].shape == f["attention_mask"].shape for f in feeds)
+    np.savez(tmp_path / "mixed.npz", input_ids=np.ones((2, 10, 16), np.int64), attention_mask=np.ones((10, 16), np.int64))
+    with pytest.raises(ConfigError, match="same form"):
+        load_feeds(str(tmp_path / "mixed.npz"), ins, prof, "validation.data")
+    np.savez(tmp_path / "counts.npz", input_ids=np.ones((10, 16), np.int64), attention_mask=np.ones((12, 16), np.int64))
+    with pytest.raises(ConfigError, match="different numbers of samples"):
+        load_feeds(str(tmp_path / "counts.npz"), ins, prof, "validation.data")
+
+
+def test_data_whose_tied_dims_disagree_is_refused(tmp_path):
+    from tasks.inputs import load_data
+    from tasks.profiles import ShapeRules, named_ties
+
+    ins = [TensorInfo("input_ids", "int64", ["batch", "seq"]), TensorInfo("attention_mask", "int64", ["batch", "seq"])]
+    prof = [{n: {"min": [1, 1], "opt": [4, 16], "max": [8, 64]} for n in ("input_ids", "attention_mask")}]
+    np.savez(tmp_path / "bad.npz", input_ids=np.ones((4, 16), np.int64), attention_mask=np.ones((4, 12), np.int64))
+    with pytest.raises(ConfigError, match="'input_ids' dim 1 is 16 but input 'attention_mask' dim 1 is 12"):
+        load_data(str(tmp_path / "bad.npz"), ins, prof, "validation.data", rules=ShapeRules(named_ties(ins)))

@@ -89,3 +89,46 @@ def test_contrib_op_the_parser_would_read_by_name_still_runs_natively(tmp_path):
     assert "domain com.microsoft" in gelu["reason"] and "partition.trt_domains" in gelu["reason"]
     r2 = plan(m, tmp_path / "trusting", cfg={**CFG, "trt_domains": ["com.microsoft"]})
     assert "contrib_Gelu_0" not in {f["name"] for f in r2.details["fallback_nodes"]}  # the parser's verdict now
+
+
+def branchy_model(path, order):
+    """Two branches from x joined by Add; branch a has a contrib op TensorRT cannot take. `order` lists the nodes in
+    the file's node order (interleaving the branches, as exporters do)."""
+    from onnx import helper, numpy_helper
+
+    from tests.conftest import save_image_model
+
+    rng = np.random.default_rng(2)
+    w = {k: numpy_helper.from_array((rng.standard_normal(s) * 0.3).astype(np.float32), k)
+         for k, s in (("wa", (8, 3, 3, 3)), ("wb", (8, 8, 1, 1)), ("wc", (8, 3, 3, 3)), ("wc2", (8, 8, 1, 1)),
+                      ("wd", (8, 8, 1, 1)))}
+    nodes = {"conv_a": helper.make_node("Conv", ["x", "wa"], ["a1"], pads=[1, 1, 1, 1], name="conv_a"),
+             "gelu": helper.make_node("FastGelu", ["a1"], ["g"], domain="com.microsoft", name="gelu"),
+             "conv_b": helper.make_node("Conv", ["g", "wb"], ["b1"], name="conv_b"),
+             "conv_c": helper.make_node("Conv", ["x", "wc"], ["c1"], pads=[1, 1, 1, 1], name="conv_c"),
+             "relu_c": helper.make_node("Relu", ["c1"], ["c2"], name="relu_c"),
+             "conv_c2": helper.make_node("Conv", ["c2", "wc2"], ["c3"], name="conv_c2"),
+             "conv_d": helper.make_node("Conv", ["c3", "wd"], ["d1"], name="conv_d"),
+             "skip": helper.make_node("Add", ["a1", "b1"], ["s"], name="skip"),
+             "add": helper.make_node("Add", ["s", "d1"], ["y"], name="add")}
+    return save_image_model(path, "branchy", [nodes[n] for n in order], list(w.values()), 8,
+                            [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+
+
+def test_a_native_node_on_one_branch_does_not_split_the_other_branch(tmp_path):
+    order = ["conv_a", "conv_c", "relu_c", "gelu", "conv_c2", "conv_b", "conv_d", "skip", "add"]
+    m = branchy_model(tmp_path / "branchy.onnx", order)
+    r = plan(m, tmp_path / "p")  # node runs would give 2 engines: [conv_a conv_c relu_c] and the rest
+    assert r.metrics["trt_subgraphs"] == 1 and r.metrics["fallback_nodes"] == 2  # conv_a (alone) and gelu native
+    trt = next(s for s in r.details["segments"] if s["kind"] == "trt")
+    assert {order[i] for i in trt["nodes"]} == {"conv_c", "relu_c", "conv_c2", "conv_d", "conv_b", "skip", "add"}
+    # conv_a feeds gelu and (through the skip) the big segment: merging them would be a cycle, so with
+    # min_subgraph_size=1 it is its own engine, before the native gelu, before the rest
+    r1 = plan(m, tmp_path / "p1", cfg={**CFG, "min_subgraph_size": 1})
+    segs = r1.details["segments"]
+    assert [(s["kind"], sorted(order[i] for i in s["nodes"])) for s in segs][:2] == [("trt", ["conv_a"]), ("native", ["gelu"])]
+    assert len(segs) == 3 and r1.metrics["trt_subgraphs"] == 2
+    x = {"x": np.random.default_rng(0).standard_normal((2, 3, 16, 16)).astype(np.float32)}
+    for res in (r, r1):
+        composed = Composed(res.details["segments"], ["y"], lambda s, res=res: ort_runner(res.files[f"segment{s['index']}"]))
+        np.testing.assert_allclose(composed(x)["y"], ort_runner(m)(x)["y"], rtol=1e-5, atol=1e-5)

@@ -47,3 +47,32 @@ def test_budget_failure_carries_the_measured_result(tiny_onnx, tmp_path):
         validate_onnx(tiny_onnx, worse, feeds, 0.999, "random", tmp_path / "v.json")
     assert e.value.result.metrics["cosine_min"] < 0.999
     assert "accuracy.min_cosine=0.999" in str(e.value)
+
+
+def stride2_model(path):
+    """y = x + Resize(MaxPool(x), x2): the fp32 model itself only runs on even H and W (a stride-2 network)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    nodes = [helper.make_node("MaxPool", ["x"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
+             helper.make_node("Resize", ["p", "", "scales"], ["u"], mode="nearest"),
+             helper.make_node("Add", ["x", "u"], ["y"])]
+    graph = helper.make_graph(nodes, "stride2", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, "h", "w"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 3, "h", "w"])],
+                              initializer=[numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path
+
+
+def test_a_shape_the_fp32_model_cannot_run_is_a_warning_naming_the_key(tmp_path):
+    m = stride2_model(tmp_path / "s2.onnx")
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.standard_normal(s).astype(np.float32)} for s in ([1, 3, 8, 8], [1, 3, 9, 7], [2, 3, 16, 12])]
+    r = validate_onnx(m, m, feeds, 0.99, "random", tmp_path / "v.json")
+    assert r.details["passed"] and r.metrics["validate_feeds"] == 2
+    w = next(w for w in r.details["warnings"] if "fp32 model itself" in w)
+    assert "[1, 3, 9, 7]" in w and "model.shape_multiple" in w
+    with pytest.raises(Exception, match="fails on every validation input"):
+        validate_onnx(m, m, feeds[1:2], 0.99, "random", tmp_path / "v2.json")
