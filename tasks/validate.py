@@ -71,24 +71,31 @@ def summarize(per_feed: list[dict[str, dict]]) -> dict[str, dict]:
 
 def reference_outputs(ref_sess, feeds: list[dict[str, np.ndarray]]) -> tuple[list[dict], list[int], list[str]]:
     """fp32 outputs per feed. A shape on which the fp32 model itself fails is a property of the model (a stride it
-    needs), not of the conversion: it is left out with a warning naming the shape and model.shape_multiple."""
-    refs, kept, warnings = [], [], []
+    needs), not of the conversion: it is left out, with one warning naming the shapes and model.shape_multiple."""
+    import re
+
+    refs, kept, failed, why = [], [], [], ""
     for i, f in enumerate(feeds):
         try:
             refs.append(ort_run(ref_sess, f))
             kept.append(i)
         except StageError as e:
-            shapes = {n: list(a.shape) for n, a in f.items()}
-            name, a = max(f.items(), key=lambda kv: kv[1].ndim)
-            k = min(2, max(0, a.ndim - 1))  # the trailing (spatial) dims
-            example = "{" + f"{name}: [" + ", ".join(["1"] * (a.ndim - k) + ["32"] * k) + "]}"
-            warnings.append(f"the fp32 model itself fails on input shape {shapes} ({e.message.split(': ', 1)[-1][:160]}); "
-                            f"left out of validation: set model.shape_multiple to the model's stride per input and dim "
-                            f"(e.g. shape_multiple: {example} in the model YAML) so that drawn shapes fit the model")
+            failed.append({n: list(a.shape) for n, a in f.items()})
+            node = re.search(r"running (\w+) node\. Name:'([^']*)'", e.message)
+            why = why or (f"its {node.group(1)} node {node.group(2)!r} fails" if node else e.message.split("}: ", 1)[-1][:160])
+    if not failed:
+        return refs, kept, []
+    name, a = max(feeds[0].items(), key=lambda kv: kv[1].ndim)
+    k = min(2, max(0, a.ndim - 1))  # the trailing (spatial) dims
+    example = "{" + f"{name}: [" + ", ".join(["1"] * (a.ndim - k) + ["32"] * k) + "]}"
+    shown = ", ".join(str(s) for s in failed[:4]) + (f" and {len(failed) - 4} more" if len(failed) > 4 else "")
+    warning = (f"the fp32 model itself fails on {len(failed)} of {len(feeds)} input shapes ({why}): {shown}; left out of "
+               f"validation (a property of the model, not of the conversion): set model.shape_multiple to the model's "
+               f"stride per input and dim (e.g. shape_multiple: {example} in the model YAML)")
     if not kept:
-        raise StageError(f"the fp32 model fails on every validation input: {warnings[0] if warnings else ''}",
-                         stage="validate", fix="check model.profiles and model.shape_multiple against what the model accepts")
-    return refs, kept, warnings
+        raise StageError(f"the fp32 model fails on every validation input: {warning}", stage="validate",
+                         fix="check model.profiles and model.shape_multiple against what the model accepts")
+    return refs, kept, [warning]
 
 
 def validate_onnx(reference: Path, candidate: Path | Callable, feeds: list[dict[str, np.ndarray]], min_cosine: float,

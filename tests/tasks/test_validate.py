@@ -73,6 +73,6 @@ def test_a_shape_the_fp32_model_cannot_run_is_a_warning_naming_the_key(tmp_path)
     r = validate_onnx(m, m, feeds, 0.99, "random", tmp_path / "v.json")
     assert r.details["passed"] and r.metrics["validate_feeds"] == 2
     w = next(w for w in r.details["warnings"] if "fp32 model itself" in w)
-    assert "[1, 3, 9, 7]" in w and "model.shape_multiple" in w
+    assert "1 of 3 input shapes" in w and "[1, 3, 9, 7]" in w and "model.shape_multiple" in w and "Add node" in w
     with pytest.raises(Exception, match="fails on every validation input"):
         validate_onnx(m, m, feeds[1:2], 0.99, "random", tmp_path / "v2.json")
