@@ -72,6 +72,10 @@ def translate(e: Exception, config_dir: str | None) -> ConfigError:
         if "." not in full_key and "Could not override" in full:
             ov = re.search(r"Could not override '([^']+)'", full)
             full_key = ov.group(1) if ov else full_key
+        append = re.search(r"To append to your config use (.+)", full)
+        if append and "." in full_key and not _schema_keys(full_key):  # a free-form map (model.shape_multiple)
+            return ConfigError(f"{full_key.rsplit('.', 1)[0]} has no entry {bad!r} yet, and a plain override only "
+                               "replaces existing entries", fix=f"add it with a leading '+': {append.group(1)}")
         valid = _schema_keys(full_key) or [f.name for f in fields(schema.Config)] + list(GROUPS)
         where = f" in {full_key.rsplit('.', 1)[0]}" if "." in full_key else ""
         src = ""

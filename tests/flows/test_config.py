@@ -104,3 +104,9 @@ def test_a_profile_that_contradicts_the_graph_is_refused_naming_both_inputs(two_
     assert (("input_ids", 0), ("attention_mask", 0)) in tied and (("input_ids", 1), ("attention_mask", 1)) in tied
     msg = refused(["model=encoder", "+model.shape_multiple.input_ids=[1,8,8]"], str(two_input_conf))
     assert "model.shape_multiple.input_ids" in msg and "2 positive dims" in msg
+
+
+def test_adding_an_entry_to_a_map_says_to_use_plus(two_input_conf):
+    with pytest.raises(ConfigError) as e:
+        compose_config(["model=encoder", "model.shape_multiple={input_ids: [1, 8]}"], str(two_input_conf))
+    assert "fix: add it with a leading '+': +model.shape_multiple={input_ids: [1, 8]}" in str(e.value)
