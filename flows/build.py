@@ -41,6 +41,9 @@ def track(**kwargs: Any) -> dict:
 
 @flow(name="trtforge-build", flow_run_name="{run_name}", validate_parameters=False, persist_result=False)
 def build_flow(ctx: stages.BuildContext, run_name: str) -> dict:
+    from prefect.runtime import flow_run
+
+    ctx.origin = {"run": f"{flow_run.get_name()} ({flow_run.get_id()})"}  # stored with every result computed here
     for name in ("export", "partition", "build", "calibrate", "validate", "benchmark"):
         stage(name, ctx)
         if ctx.error is not None and ctx.error.exit_code != 1:
@@ -57,12 +60,11 @@ def publish(ctx: stages.BuildContext) -> dict:
                                "status": "ok" if ok else "failed", "out_dir": str(final), "engines": [], "engine": None,
                                "stages": ctx.stages, "metrics": {}}
     tmp = new_result_dir(final)
+    m = ctx.metrics
     if ok:
         summary["engines"] = stages.publish_engines(ctx, tmp)
         summary["engine"] = summary["engines"][0]
-    m = ctx.metrics
-    m.setdefault("trt_subgraphs", m.get("trt_subgraphs", 0))
-    m.setdefault("fallback_nodes", m.get("fallback_nodes", 0))
+        m["engine_bytes"] = sum(e["bytes"] for e in summary["engines"])  # the shipped files, byte for byte
     summary["metrics"] = {k: v for k, v in sorted(m.items())}
     if ctx.error is not None:
         summary["error"] = ctx.error.render()
@@ -94,27 +96,26 @@ def publish(ctx: stages.BuildContext) -> dict:
         raise
     if ok:  # a stale failure report beside a good result would mislead
         remove_result(final.with_name(final.name + ".failed"))
+    for entry, key in ctx.computed:  # later builds served from these entries say which run measured them
+        ctx.cache.annotate(entry, key, {"mlflow_run": run["run_id"]})
     if cfg.summary_out:
         write_json(cfg.summary_out, summary)
     return summary
 
 
 def versions(ctx: stages.BuildContext) -> dict[str, str]:
+    """Every version read from the library it names (or "not present"), never a fixed string."""
     import onnx
     import onnxruntime
 
     from tasks.backend import host_gpus
+    from tasks.runtime import cuda_versions
 
     v = {"trtforge": stages.TRTFORGE_VERSION, "code": stages.CODE, "backend": ctx.backend.version, "onnx": onnx.__version__,
-         "onnxruntime": onnxruntime.__version__, "python": sys.version.split()[0]}
+         "onnxruntime": onnxruntime.__version__, "python": sys.version.split()[0], **cuda_versions()}
     gpus = host_gpus()
-    v["gpu"] = ", ".join(f"{g.name} (sm {g.compute_capability})" for g in gpus) or "none"
-    v["driver"] = gpus[0].driver if gpus else "none"
-    try:
-        import tensorrt_rtx_libs  # noqa: F401  (CUDA runtime bundled with the backend wheels)
-        v["cuda"] = "13 (TensorRT-RTX cu13 wheels)"
-    except ImportError:
-        v["cuda"] = "unknown"
+    v["gpu"] = ", ".join(f"{g.name} (sm {g.compute_capability})" for g in gpus) or "not present"
+    v["driver"] = gpus[0].driver if gpus else "not present"
     return v
 
 

@@ -15,7 +15,9 @@ import fcntl
 import json
 import os
 import shutil
+import socket
 import uuid
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -94,16 +96,28 @@ class StageCache:
         if not all(p.is_file() and sha256_file(p) == digests.get(k) for k, p in files.items()):
             shutil.rmtree(d, ignore_errors=True)  # damaged or tampered with: recompute
             return None
-        return StageResult(files=files, metrics=data["metrics"], details=data["details"])
+        return StageResult(files=files, metrics=data["metrics"], details=data["details"], origin=data.get("origin"))
 
-    def run(self, stage: str, key: str, fn: Callable[[Path], StageResult]) -> StageResult:
+    def run(self, stage: str, key: str, fn: Callable[[Path], StageResult], origin: dict | None = None) -> StageResult:
         """Run fn(workdir) and publish its files atomically under the key; return the published result.
-        Under the entry's lock: an identical build waits here, then reuses what the first one published."""
+        Under the entry's lock: an identical build waits here, then reuses what the first one published.
+        The entry records when and on what host it was computed (and `origin`, e.g. the run), so a hit can say so."""
         with locked(self.root / ".locks" / f"{stage}-{key}.lock"):
             hit = self.get(stage, key)
-            return hit if hit is not None else self._compute(stage, key, fn)
+            return hit if hit is not None else self._compute(stage, key, fn, origin)
 
-    def _compute(self, stage: str, key: str, fn: Callable[[Path], StageResult]) -> StageResult:
+    def annotate(self, stage: str, key: str, origin: dict) -> None:
+        """Add to an entry's origin what is known only later (the MLflow run that computed it)."""
+        with locked(self.root / ".locks" / f"{stage}-{key}.lock"):
+            meta = self.entry(stage, key) / "result.json"
+            try:
+                data = json.loads(meta.read_text())
+            except (OSError, json.JSONDecodeError):
+                return
+            data["origin"] = {**(data.get("origin") or {}), **origin}
+            write_json(meta, data)
+
+    def _compute(self, stage: str, key: str, fn: Callable[[Path], StageResult], origin: dict | None) -> StageResult:
         sweep(self.root / ".tmp")
         tmp = self.root / ".tmp" / temp_name(stage)
         tmp.mkdir(parents=True)
@@ -116,8 +130,11 @@ class StageCache:
                     shutil.copy2(p, tmp / p.name)
                     p = tmp / p.name
                 rel[name] = str(p.relative_to(tmp))
+            made = {"at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "host": socket.gethostname(),
+                    **(origin or {})}
             write_json(tmp / "result.json", {"files": rel, "metrics": result.metrics, "details": result.details,
-                                             "sha256": {k: sha256_file(tmp / v) for k, v in rel.items()}})
+                                             "sha256": {k: sha256_file(tmp / v) for k, v in rel.items()},
+                                             "origin": made})
             final = self.entry(stage, key)
             final.parent.mkdir(parents=True, exist_ok=True)
             if final.exists():  # a damaged entry (its files failed the hash check)

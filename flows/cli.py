@@ -69,8 +69,12 @@ def _console():
 
 
 def print_stage(name: str, entry: dict) -> None:
+    from flows.stages import origin_text
+
     mark = {"ok": "[green]✓[/]", "cached": "[cyan]✓[/]", "skipped": "[yellow]-[/]", "failed": "[red]✗[/]"}.get(entry["status"], "?")
     reason = f"  [dim]{entry['reason']}[/]" if entry.get("reason") and entry["status"] != "failed" else ""
+    if entry.get("cached_from"):
+        reason += f"  [dim]{origin_text(entry['cached_from'])}[/]"
     _console().print(f" {mark} {name:<9} {entry['status']:<7} {entry.get('seconds', 0):7.2f}s{reason}")
     for w in entry.get("warnings", []):
         _console().print(f"   warning: {w}", markup=False, style="yellow")
@@ -89,7 +93,7 @@ def print_summary(summary: dict, seconds: float) -> None:
         c.print(f"  engine   {summary['out_dir']}/{e['file']}  ({e['bytes'] / 1e6:.1f} MB, sha256 {e['sha256'][:16]}…)")
     m = summary["metrics"]
     if "cosine_min" in m:
-        c.print(f"  accuracy cosine_min {m['cosine_min']:.6f} vs fp32 ({summary['stages']['validate'].get('status')})")
+        c.print(f"  accuracy cosine_min {m['cosine_min']:.6f} vs fp32, measured by {accuracy_source(summary)}", markup=False)
     c.print(f"  summary  {summary['out_dir']}/summary.json")
     run = summary.get("mlflow") or {}
     if run:
@@ -97,3 +101,14 @@ def print_summary(summary: dict, seconds: float) -> None:
         c.print(f"           make ui → http://127.0.0.1:5000/#/experiments/{run['experiment_id']}/runs/{run['run_id']}")
 
 
+def accuracy_source(summary: dict) -> str:
+    """What the accuracy number measured, in words: ONNX Runtime's emulation of the precision, or the engine."""
+    from flows.stages import origin_text
+
+    m, v = summary["metrics"], summary["stages"].get("validate", {})
+    src = m.get("cosine_source", "")
+    text = f"the engine on {src[len('engine on '):]}" if src.startswith("engine on ") else \
+        f"ONNX Runtime emulation of {summary['precision']} on this host, not the engine"
+    if v.get("cached_from"):
+        text += f"; {origin_text(v['cached_from'])}"
+    return text

@@ -51,6 +51,8 @@ class BuildContext:
     error: TrtforgeError | None = None
     show_progress: bool = True
     on_stage: Callable[[str, dict], None] | None = None
+    origin: dict[str, Any] = field(default_factory=dict)  # this run (e.g. the flow run), stored with what it computes
+    computed: list[tuple[str, str]] = field(default_factory=list)  # (cache entry, key) computed by this run
 
     @property
     def backend(self):
@@ -70,8 +72,10 @@ class BuildContext:
         hits = self.stages.setdefault(stage, {}).setdefault("_hits", [])
         hits.append(hit is not None)
         if hit is not None:
+            self.stages[stage].setdefault("_origins", []).append(hit.origin or {})
             return hit
-        return self.cache.run(entry, key, fn)
+        self.computed.append((entry, key))
+        return self.cache.run(entry, key, fn, origin=self.origin)
 
     def run(self, name: str, fn: Callable[["BuildContext"], StageResult | None]) -> StageResult | None:
         """Run one stage: ok / cached / skipped (with reason) / failed; after a failure the rest are skipped."""
@@ -86,6 +90,9 @@ class BuildContext:
                 entry.setdefault("status", "cached" if hits and all(hits) else "ok")
                 if hits and any(hits) and not all(hits):
                     entry["reason"] = f"partly from the cache ({sum(hits)} of {len(hits)} outputs)"
+                origins = entry.get("_origins")
+                if origins:  # the oldest result served: when, where and in which run it was measured
+                    entry["cached_from"] = min(origins, key=lambda o: o.get("at", ""))
                 if result is not None:
                     self.results[name] = result
                     self.metrics.update(result.metrics)
@@ -103,9 +110,19 @@ class BuildContext:
                 self.failed, self.error = name, TrtforgeError(f"{type(e).__name__}: {e}", stage=name)
             entry["seconds"] = round(time.perf_counter() - t0, 3)
         entry.pop("_hits", None)
+        entry.pop("_origins", None)
         if self.on_stage:
             self.on_stage(name, entry)
         return self.results.get(name)
+
+
+def origin_text(origin: dict) -> str:
+    """`cached from …` wording for a cache entry's origin (CLI, MLflow tags)."""
+    if not origin.get("at"):
+        return "cached (made before trtforge recorded when and where)"
+    run = f" by MLflow run {origin['mlflow_run']}" if origin.get("mlflow_run") else \
+        f" by flow run {origin['run']}" if origin.get("run") else ""
+    return f"cached from {origin['at']} on {origin.get('host', '?')}{run}"
 
 
 def file_hash(result: StageResult, name: str) -> str:
@@ -173,7 +190,8 @@ def _replan_without_control_flow(ctx: BuildContext, error: TrtforgeError) -> boo
         return False
     pcfg["exclude_ops"] = list(pcfg["exclude_ops"]) + [op for op in present if op not in pcfg["exclude_ops"]]
     plan = _plan(ctx, pcfg)
-    ctx.stages["partition"].pop("_hits", None)
+    for k in ("_hits", "_origins"):
+        ctx.stages["partition"].pop(k, None)
     ctx.results["partition"] = plan
     ctx.metrics.update(plan.metrics)
     ctx.stages["partition"]["note"] = (
@@ -204,7 +222,7 @@ def build(ctx: BuildContext) -> StageResult:
 
 
 def _build_engines(ctx: BuildContext) -> StageResult:
-    from tasks.build import engine_from_onnx, onnx_at_precision
+    from tasks.build import SHIPPED_METRICS, add_metrics, as_baseline, engine_from_onnx, onnx_at_precision
 
     precision = ctx.cfg.precision.baseline
     t = ctx.cfg.target
@@ -213,23 +231,25 @@ def _build_engines(ctx: BuildContext) -> StageResult:
              "build": ctx.c("build"), "backend": ctx.backend.version, "compute_capability": t.compute_capability}
 
     def work(d: Path) -> StageResult:
-        files, metrics, details = {}, {"build_seconds": 0.0, "engine_bytes": 0, "convert_seconds": 0.0}, {"engines": []}
+        files, metrics, details = {}, {}, {"engines": []}
         for s in segs:
             stem = f"{ctx.cfg.model.name}.{t.name}.{precision}{s['name']}"
             conv = onnx_at_precision(s["onnx"], precision, d / f"{stem}.onnx")
             eng = engine_from_onnx(conv.files["onnx"], d / f"{stem}.engine", s["profiles"], t.compute_capability,
                                    ctx.c("build"), ctx.backend, show_progress=ctx.show_progress)
             files[f"onnx{s['index']}"], files[f"engine{s['index']}"] = conv.files["onnx"], eng.files["engine"]
-            metrics["build_seconds"] += eng.metrics["build_seconds"]
-            metrics["engine_bytes"] += eng.metrics["engine_bytes"]
-            metrics["convert_seconds"] += conv.metrics.get("convert_seconds", 0.0)
+            add_metrics(metrics, eng.metrics, SHIPPED_METRICS)
+            add_metrics(metrics, conv.metrics, ("convert_seconds",))
             details["engines"].append({"segment": s["index"], "engine": eng.files["engine"].name,
                                        "onnx": conv.files["onnx"].name, "sha256": eng.details["sha256"]})
             details.update(backend=eng.details["backend"], compute_capability=t.compute_capability, precision=precision)
             details.setdefault("conversion", []).append(conv.details)
         return StageResult(files=files, metrics=metrics, details=details)
 
-    return ctx.cached("build", parts, work)
+    r = ctx.cached("build", parts, work)
+    if ctx.cfg.precision.quantized:  # the cache entry is shared with the fp16/fp32 build; here it is the baseline
+        r = StageResult(files=r.files, metrics=as_baseline(r.metrics), details=r.details, origin=r.origin)
+    return r
 
 
 def calibrate(ctx: BuildContext) -> StageResult | None:
@@ -237,7 +257,7 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
     p = ctx.cfg.precision
     if not p.quantized:
         raise Skip(f"precision {p.name} needs no calibration")
-    from tasks.build import engine_from_onnx
+    from tasks.build import SHIPPED_METRICS, add_metrics, engine_from_onnx
     from tasks.calibrate import qdq_from_onnx
     from tasks.segments import run_with_intermediates
 
@@ -280,14 +300,13 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
                "build": ctx.c("build"), "backend": ctx.backend.version, "compute_capability": t.compute_capability}
 
     def build_quantized(d: Path) -> StageResult:
-        files, metrics, details = {}, {"quantized_build_seconds": 0.0, "quantized_engine_bytes": 0}, {"engines": []}
+        files, metrics, details = {}, {}, {"engines": []}
         for s in segs:
             stem = f"{ctx.cfg.model.name}.{t.name}.{p.name}{s['name']}"
             eng = engine_from_onnx(q.files[f"qdq{s['index']}"], d / f"{stem}.engine", s["profiles"], t.compute_capability,
                                    ctx.c("build"), ctx.backend, show_progress=ctx.show_progress, stage="calibrate")
             files[f"engine{s['index']}"] = eng.files["engine"]
-            metrics["quantized_build_seconds"] += eng.metrics["build_seconds"]
-            metrics["quantized_engine_bytes"] += eng.metrics["engine_bytes"]
+            add_metrics(metrics, eng.metrics, SHIPPED_METRICS)  # the quantized engines ship
             details["engines"].append({"segment": s["index"], "engine": eng.files["engine"].name, "sha256": eng.details["sha256"]})
         return StageResult(files=files, metrics=metrics, details=details)
 
@@ -415,10 +434,20 @@ def engines_of(r: StageResult) -> list[tuple[int, Path, Path]]:
     return [(e["segment"], r.files[f"engine{e['segment']}"], r.files[f"onnx{e['segment']}"]) for e in r.details["engines"]]
 
 
-def candidate_runner(ctx: BuildContext, use_engines: bool):
+def engine_runner(ctx: BuildContext, engine: Path, stage: str, runners: list, cuda_graph: bool = False):
+    """An EngineRunner for one engine file (TensorRT-RTX's runtime cache kept per target in cache_dir); the caller
+    closes what `runners` collects."""
+    from tasks.runtime import EngineRunner, runtime_cache_file
+
+    cache = runtime_cache_file(ctx.cfg.cache_dir, ctx.cfg.target.name, ctx.backend.version)
+    runner = EngineRunner(Path(engine).read_bytes(), ctx.backend, runtime_cache=cache, cuda_graph=cuda_graph, stage=stage)
+    runners.append(runner)
+    return runner
+
+
+def candidate_runner(ctx: BuildContext, use_engines: bool, runners: list | None = None, stage: str = "validate"):
     """The model as it will run: the precision graph (or the engine, on a GPU) per TensorRT segment, and for a hybrid
-    model the native segments in ONNX Runtime between them."""
-    from tasks.runtime import EngineRunner
+    model the native segments in ONNX Runtime between them. Engine runners are collected in `runners` to be closed."""
     from tasks.segments import Composed, ort_runner
 
     r = deliverable(ctx)
@@ -428,7 +457,7 @@ def candidate_runner(ctx: BuildContext, use_engines: bool):
         if seg["kind"] == "trt":
             eng, onnx = by_segment[seg["index"]]
             if use_engines:
-                return EngineRunner(Path(eng).read_bytes(), ctx.backend).infer
+                return engine_runner(ctx, eng, stage, runners if runners is not None else []).infer
             # ORT's full optimisation fuses Q/DQ into kernels that have no float8 version
             return ort_runner(onnx, basic=ctx.cfg.precision.name == "fp8")
         return ort_runner(ctx.results["partition"].files[f"segment{seg['index']}"])
@@ -461,12 +490,19 @@ def validate(ctx: BuildContext) -> StageResult:
     def work(d: Path) -> StageResult:
         engine_outputs = None
         if engine_reason is None:
-            run_engine = candidate_runner(ctx, use_engines=True)
-            engine_outputs = [run_engine(f) for f in feeds]
+            runners: list = []
+            try:
+                run_engine = candidate_runner(ctx, use_engines=True, runners=runners)
+                engine_outputs = [run_engine(f) for f in feeds]
+            finally:
+                for runner in runners:
+                    runner.close()
         try:
             return validate_onnx(ref.files["onnx"], candidate_runner(ctx, use_engines=False), feeds,
                                  ctx.cfg.accuracy.min_cosine, source, d / "validation.json", engine_outputs=engine_outputs,
-                                 engine_skip_reason=engine_reason, label=label)
+                                 engine_skip_reason=engine_reason, label=label,
+                                 emulation=f"onnxruntime emulation of {ctx.cfg.precision.name}",
+                                 engine_device=gpu and f"engine on {gpu.name} (sm {gpu.compute_capability})")
         except AccuracyError as e:  # the verdict is a result too: cache it, gate below
             return e.result
 
@@ -479,7 +515,8 @@ def validate(ctx: BuildContext) -> StageResult:
     r.details["data"] = record.as_dict()
     if not r.details["passed"]:
         worst = min(r.details["outputs"], key=lambda n: r.details["outputs"][n]["cosine"])
-        e = AccuracyError(f"output {worst!r} has cosine {r.metrics['cosine_min']:.6f} to fp32, below "
+        e = AccuracyError(f"output {worst!r} has cosine {r.metrics['cosine_min']:.6f} to fp32 "
+                          f"({r.metrics['cosine_source']}), below "
                           f"accuracy.min_cosine={ctx.cfg.accuracy.min_cosine}", stage="validate", file=label,
                           fix="use a higher precision, or lower accuracy.min_cosine if that loss is acceptable")
         e.result = r
@@ -500,8 +537,8 @@ def benchmark(ctx: BuildContext) -> StageResult:
     feed = generated_feeds(ctx.facts["inputs"], [opt], 0, ctx.cfg.seed, recipe=ctx.c("model.images"))[0]
     gpu = trt_backend.gpu_for(cc)
     quantized = bool(ctx.cfg.precision.quantized)
-    build_metrics = {"build_seconds": ctx.results["build"].metrics.get("build_seconds"),
-                     "engine_bytes": eng_r.metrics.get("engine_bytes")}
+    build_metrics = {k: ctx.metrics[k] for k in ("engine_bytes", "build_seconds", "baseline_engine_bytes",
+                                                 "baseline_build_seconds") if k in ctx.metrics}
     parts = {"onnx": file_hash(ref, "onnx"), "bench": ctx.c("benchmark"), "host": host_info(),
              "shape": {n: list(a.shape) for n, a in feed.items()},
              "engines": [sha256_file(e) for _, e, _ in engines_of(eng_r)] if gpu else None}
@@ -509,24 +546,16 @@ def benchmark(ctx: BuildContext) -> StageResult:
     def work(d: Path) -> StageResult:
         timing = None
         if gpu:  # engines on the GPU; a hybrid model end to end (engines + native segments + copies)
-            from tasks.benchmark import batch_of, measure
-            from tasks.runtime import EngineRunner
-
-            def engine_step(r: StageResult):
-                runner = EngineRunner(Path(engines_of(r)[0][1]).read_bytes(), ctx.backend)
-                return lambda: runner.run(feed)
-
-            bench, batch = ctx.c("benchmark"), batch_of(feed)
-            hybrid = ctx.results["partition"].details.get("hybrid")
-            if hybrid:
-                composed = candidate_runner(ctx, use_engines=True)
-                step = lambda: composed(feed)  # noqa: E731
-            else:
-                step = engine_step(eng_r)
-            timing = {"runtime": f"{ctx.backend.version} on {gpu.name}", **measure(step, bench, batch)}
-            if quantized and not hybrid:
-                timing["baseline_p50_ms"] = measure(engine_step(ctx.results["build"]), bench, batch)["p50_ms"]
-                timing["quantized_but_slower"] = bool(timing["p50_ms"] > timing["baseline_p50_ms"])
+            timing = {"runtime": f"{ctx.backend.version} on {gpu.name} (sm {gpu.compute_capability})"}
+            runners: list = []
+            try:
+                timing.update(_time_engines(ctx, eng_r, feed, runners))
+                if quantized and "gpu_compute" in timing["timer"]:
+                    timing["baseline_p50_ms"] = _time_engines(ctx, ctx.results["build"], feed, runners)["p50_ms"]
+                    timing["quantized_but_slower"] = bool(timing["p50_ms"] > timing["baseline_p50_ms"])
+            finally:
+                for runner in runners:
+                    runner.close()
         extra = {}
         if quantized:
             extra["quantized_vs_baseline"] = (
@@ -538,6 +567,21 @@ def benchmark(ctx: BuildContext) -> StageResult:
                                None if gpu else trt_backend.no_gpu_reason(cc) + "; engine timing needs that GPU", extra)
 
     return ctx.cached("benchmark", parts, work)
+
+
+def _time_engines(ctx: BuildContext, r: StageResult, feed: dict, runners: list) -> dict:
+    """One engine: CUDA-event timing of GPU compute apart from the copies. A hybrid model: host wall clock of the
+    whole composed run (engines, ONNX Runtime segments and the copies between them)."""
+    from tasks.benchmark import batch_of, measure
+
+    bench = ctx.c("benchmark")
+    if ctx.results["partition"].details.get("hybrid"):
+        composed = candidate_runner(ctx, use_engines=True, runners=runners, stage="benchmark")
+        return {"timer": "host wall clock: engines + ONNX Runtime segments + copies",
+                **measure(lambda: composed(feed), bench, batch_of(feed))}
+    runner = engine_runner(ctx, engines_of(r)[0][1], "benchmark", runners, cuda_graph=bench["cuda_graph"])
+    t = runner.measure(feed, bench["warmup"], bench["iterations"], bench["repeats"])
+    return {**t, "timer": "cuda events: gpu_compute (execute_async_v3); h2d/d2h copies apart"}
 
 
 def publish_engines(ctx: BuildContext, out: Path) -> list[dict]:

@@ -137,6 +137,10 @@ def log_build(*, experiment: str, summary: dict, params: dict[str, str], resolve
                 mlflow.set_tag(f"{key}.data", d.get("summary", d.get("source", "")))
                 if d.get("sha256"):
                     mlflow.set_tag(f"{key}.data.sha256", d["sha256"])
+            mlflow.set_tags({k: v for k, v in summary.get("metrics", {}).items() if isinstance(v, str)})
+            from flows.stages import origin_text  # a cached stage's numbers were measured by another run: say which
+            mlflow.set_tags({f"cached_from.{stage}": origin_text(s["cached_from"])
+                             for stage, s in summary["stages"].items() if s.get("cached_from")})
             metrics = {k: float(v) for k, v in summary.get("metrics", {}).items()
                        if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(float(v)) != float("inf")}
             for stage, s in summary["stages"].items():

@@ -12,6 +12,22 @@ from .native import quiet_native
 from .util import StageResult, sha256_file
 
 
+SHIPPED_METRICS = ("build_seconds", "engine_bytes")  # always of the engines that ship
+
+
+def as_baseline(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Metrics of an engine built on the way to the shipped one (the fp16/fp32 baseline of an int8/fp8 build) under
+    `baseline_*`, so `build_seconds`/`engine_bytes` always describe the engines that ship."""
+    return {("baseline_" + k if k in SHIPPED_METRICS else k): v for k, v in metrics.items()}
+
+
+def add_metrics(total: dict[str, Any], part: dict[str, Any], keys: tuple[str, ...]) -> None:
+    """Sum per-segment metrics; a key no segment measured stays absent (never a 0 that was not measured)."""
+    for k in keys:
+        if k in part:
+            total[k] = total.get(k, 0) + part[k]
+
+
 def onnx_at_precision(fp32_path: Path, precision: str, out_path: Path) -> StageResult:
     """Precision is a property of the graph (strongly typed networks): fp32 as is, fp16 converted."""
     t0 = time.perf_counter()

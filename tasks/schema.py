@@ -126,6 +126,7 @@ class BenchmarkConfig:
     iterations: int = 10
     repeats: int = 3
     threads: int = 0  # ONNX Runtime intra-op threads; 0 = its default
+    cuda_graph: bool = False  # engines on a GPU: replay each run as a CUDA graph
 
 
 @dataclass

@@ -17,6 +17,7 @@ class StageResult:
     files: dict[str, Path] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     details: dict[str, Any] = field(default_factory=dict)
+    origin: dict[str, Any] | None = None  # when, on what host and in which run a cached result was computed
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:

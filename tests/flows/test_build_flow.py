@@ -57,6 +57,23 @@ def test_user_model_builds_a_real_engine_with_an_ok_summary(tiny_build):
     assert published["out_dir"] == written["out_dir"] == s["out_dir"] and Path(s["out_dir"]).is_absolute()
 
 
+def test_the_summary_says_what_each_number_measured(tiny_build):
+    from tasks.backend import host_gpus
+
+    _, s, _ = tiny_build
+    m, v = s["metrics"], s["versions"]
+    assert m["engine_bytes"] == sum(e["bytes"] for e in s["engines"])  # the shipped files
+    assert not any(k.startswith("baseline_") for k in m) and "convert_seconds" not in m  # fp32: nothing converted
+    assert m["cosine_source"] == "onnxruntime emulation of fp32" and m["emulation_cosine_min"] == m["cosine_min"]
+    assert "engine_cosine_min" not in m  # the engine did not run here: no number, not a copy of the emulation's
+    import re
+    import tensorrt_rtx_bindings
+    assert v["backend"] == f"tensorrt_rtx-{tensorrt_rtx_bindings.__version__}"
+    assert re.fullmatch(r"\d+\.\d+", v["cuda_runtime"]) and "cuda" not in v
+    if not host_gpus():
+        assert v["cuda_driver"] == v["driver"] == v["gpu"] == "not present"
+
+
 def test_the_run_is_in_mlflow_with_tags_engine_summary_and_config(tiny_build):
     _, s, _ = tiny_build
     client = mlflow_run(s["mlflow"]["run_id"])
@@ -78,6 +95,28 @@ def test_identical_second_build_is_served_from_the_cache(tiny_build):
     for k in ("export", "partition", "build", "validate", "benchmark"):
         assert second["stages"][k]["status"] == "cached", k
     assert second["engine"]["sha256"] == first["engine"]["sha256"]
+    import socket
+    origin = second["stages"]["benchmark"]["cached_from"]  # when, where and by which run it was measured
+    assert origin["host"] == socket.gethostname() and origin["at"]  # recorded at compute time
+    assert origin["mlflow_run"] == first["mlflow"]["run_id"] and origin["run"].startswith("tiny-sm_86-fp32 (")
+    assert "cached_from" not in first["stages"]["benchmark"]
+    run = mlflow_run(second["mlflow"]["run_id"]).get_run(second["mlflow"]["run_id"])
+    assert run.data.tags["cached_from.benchmark"] == \
+        f"cached from {origin['at']} on {origin['host']} by MLflow run {first['mlflow']['run_id']}"
+    assert run.data.tags["cosine_source"] == "onnxruntime emulation of fp32"
+
+
+def test_the_cli_says_what_accuracy_measured_and_where_cached_numbers_come_from(tiny_build, capsys):
+    from flows.cli import print_stage, print_summary
+
+    _, first, second = tiny_build
+    print_summary(first, 1.0)
+    assert "cosine_min 1.000000 vs fp32, measured by ONNX Runtime emulation of fp32 on this host, not the engine" \
+        in capsys.readouterr().out
+    print_stage("benchmark", second["stages"]["benchmark"])
+    assert f"cached from {second['stages']['benchmark']['cached_from']['at']}" in capsys.readouterr().out
+    print_summary(second, 1.0)
+    assert f"by MLflow run {first['mlflow']['run_id']}" in capsys.readouterr().out
 
 
 def test_fp16_for_sm_89_and_accuracy_budget_failure(prefect_harness, user_config_dir, tmp_path):
@@ -223,6 +262,11 @@ def test_int8_from_calibration_data_is_quantized_validated_and_cached_across_tar
     assert m["quantized_layers"] + m["fallback_layers"] == 2 and m["quantized_layers"] >= 1
     assert m["cosine_min"] >= 0.98
     assert s["engine"]["file"] == "tiny.sm_86.int8.engine" and s["stages"]["calibrate"]["status"] == "ok"
+    # engine_bytes/build_seconds are the shipped int8 engine's; the fp16 baseline built on the way is baseline_*
+    assert m["engine_bytes"] == s["engine"]["bytes"] and m["build_seconds"] > 0
+    assert m["baseline_engine_bytes"] > 0 and m["baseline_build_seconds"] > 0
+    assert m["baseline_engine_bytes"] != m["engine_bytes"]
+    assert m["cosine_source"] == "onnxruntime emulation of int8"
     v = json.loads((Path(s["out_dir"]) / "validation.json").read_text())
     assert v["inputs"] == "held-out calibration samples" and len(v["feeds"]) == 3
     assert "needs a GPU" in json.loads((Path(s["out_dir"]) / "benchmark.json").read_text())["quantized_vs_baseline"]
