@@ -413,6 +413,9 @@ class EngineRunner:
         if any(v is None for v in self._plan.values()):
             self.notes.append("no CUDA graph: an output's shape depends on the data")
             return
+        if not self.context.is_stream_capturable(int(self.stream)):
+            self.notes.append("no CUDA graph: TensorRT says this context cannot be captured on the stream")
+            return
         rt = self.cuda.rt
         self.cuda("cudaStreamBeginCapture", self.stream, rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal)
         ok = self.context.execute_async_v3(int(self.stream))

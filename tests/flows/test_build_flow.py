@@ -242,6 +242,14 @@ def test_hybrid_model_builds_one_engine_per_tensorrt_subgraph(prefect_harness, h
     assert "reports/partition.png" in {a.path for a in client.list_artifacts(s["mlflow"]["run_id"], "reports")}
 
 
+def test_numbers_of_stages_that_did_not_run_are_absent_not_zero(prefect_harness, hybrid_conf, tmp_path):
+    s = build(["model=hybrid", "partition.strict=true"], hybrid_conf, tmp_path)
+    assert s["status"] == "failed" and s["stages"]["partition"]["status"] == "failed"
+    assert not {"trt_subgraphs", "fallback_nodes", "engine_bytes", "build_seconds", "cosine_min"} & set(s["metrics"])
+    run = mlflow_run(s["mlflow"]["run_id"]).get_run(s["mlflow"]["run_id"])
+    assert "trt_subgraphs" not in run.data.metrics and "engine_bytes" not in run.data.metrics
+
+
 @pytest.fixture(scope="module")
 def tiny_calibration(tmp_path_factory):
     import numpy as np
@@ -340,8 +348,13 @@ def test_on_a_supported_gpu_the_engines_are_validated_and_timed(prefect_harness,
     assert s["status"] == "ok", s.get("error")
     v = json.loads((Path(s["out_dir"]) / "validation.json").read_text())
     assert v["engine"]["status"] == "ok" and v["engine"]["cosine_min"] >= 0.98
+    m = s["metrics"]  # the gate judged the engine, and says so; the emulation's number is kept apart
+    assert m["cosine_source"].startswith("engine on ") and m["cosine_min"] == m["engine_cosine_min"]
+    assert "emulation_cosine_min" in m and s["versions"]["cuda_driver"] != "not present"
     b = json.loads((Path(s["out_dir"]) / "benchmark.json").read_text())
-    assert b["engine"]["p50_ms"] > 0 and s["metrics"]["trt_p50_ms"] > 0
+    assert b["engine"]["p50_ms"] > 0 and m["trt_p50_ms"] > 0  # composed hybrid: host wall clock, says so
+    assert b["engine"]["timer"].startswith("host wall clock")
+    assert list((tmp_path / "cache" / "runtime-cache" / target).glob("*.bin"))  # TensorRT-RTX kernels kept
 
 
 def test_two_input_encoder_validates_on_shapes_where_both_inputs_agree(prefect_harness, two_input_conf, tmp_path):
