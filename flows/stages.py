@@ -434,20 +434,20 @@ def engines_of(r: StageResult) -> list[tuple[int, Path, Path]]:
     return [(e["segment"], r.files[f"engine{e['segment']}"], r.files[f"onnx{e['segment']}"]) for e in r.details["engines"]]
 
 
-def engine_runner(ctx: BuildContext, engine: Path, stage: str, runners: list, cuda_graph: bool = False):
-    """An EngineRunner for one engine file (TensorRT-RTX's runtime cache kept per target in cache_dir); the caller
-    closes what `runners` collects."""
+def engine_runner(ctx: BuildContext, engine: Path, stage: str, runners: contextlib.ExitStack, cuda_graph: bool = False):
+    """An EngineRunner for one engine file (TensorRT-RTX's runtime cache kept per target in cache_dir), closed (buffers
+    freed, runtime cache saved) when `runners` closes."""
     from tasks.runtime import EngineRunner, runtime_cache_file
 
     cache = runtime_cache_file(ctx.cfg.cache_dir, ctx.cfg.target.name, ctx.backend.version)
-    runner = EngineRunner(Path(engine).read_bytes(), ctx.backend, runtime_cache=cache, cuda_graph=cuda_graph, stage=stage)
-    runners.append(runner)
-    return runner
+    return runners.enter_context(
+        EngineRunner(Path(engine).read_bytes(), ctx.backend, runtime_cache=cache, cuda_graph=cuda_graph, stage=stage))
 
 
-def candidate_runner(ctx: BuildContext, use_engines: bool, runners: list | None = None, stage: str = "validate"):
+def candidate_runner(ctx: BuildContext, use_engines: bool, runners: contextlib.ExitStack | None = None,
+                     stage: str = "validate"):
     """The model as it will run: the precision graph (or the engine, on a GPU) per TensorRT segment, and for a hybrid
-    model the native segments in ONNX Runtime between them. Engine runners are collected in `runners` to be closed."""
+    model the native segments in ONNX Runtime between them. Engine runners are closed with `runners`."""
     from tasks.segments import Composed, ort_runner
 
     r = deliverable(ctx)
@@ -457,7 +457,7 @@ def candidate_runner(ctx: BuildContext, use_engines: bool, runners: list | None 
         if seg["kind"] == "trt":
             eng, onnx = by_segment[seg["index"]]
             if use_engines:
-                return engine_runner(ctx, eng, stage, runners if runners is not None else []).infer
+                return engine_runner(ctx, eng, stage, runners).infer
             # ORT's full optimisation fuses Q/DQ into kernels that have no float8 version
             return ort_runner(onnx, basic=ctx.cfg.precision.name == "fp8")
         return ort_runner(ctx.results["partition"].files[f"segment{seg['index']}"])
@@ -490,13 +490,9 @@ def validate(ctx: BuildContext) -> StageResult:
     def work(d: Path) -> StageResult:
         engine_outputs = None
         if engine_reason is None:
-            runners: list = []
-            try:
+            with contextlib.ExitStack() as runners:
                 run_engine = candidate_runner(ctx, use_engines=True, runners=runners)
                 engine_outputs = [run_engine(f) for f in feeds]
-            finally:
-                for runner in runners:
-                    runner.close()
         try:
             return validate_onnx(ref.files["onnx"], candidate_runner(ctx, use_engines=False), feeds,
                                  ctx.cfg.accuracy.min_cosine, source, d / "validation.json", engine_outputs=engine_outputs,
@@ -547,15 +543,11 @@ def benchmark(ctx: BuildContext) -> StageResult:
         timing = None
         if gpu:  # engines on the GPU; a hybrid model end to end (engines + native segments + copies)
             timing = {"runtime": f"{ctx.backend.version} on {gpu.name} (sm {gpu.compute_capability})"}
-            runners: list = []
-            try:
+            with contextlib.ExitStack() as runners:
                 timing.update(_time_engines(ctx, eng_r, feed, runners))
                 if quantized and not ctx.results["partition"].details.get("hybrid"):  # engine vs engine
                     timing["baseline_p50_ms"] = _time_engines(ctx, ctx.results["build"], feed, runners)["p50_ms"]
                     timing["quantized_but_slower"] = bool(timing["p50_ms"] > timing["baseline_p50_ms"])
-            finally:
-                for runner in runners:
-                    runner.close()
         extra = {}
         if quantized:
             extra["quantized_vs_baseline"] = (
@@ -569,7 +561,7 @@ def benchmark(ctx: BuildContext) -> StageResult:
     return ctx.cached("benchmark", parts, work)
 
 
-def _time_engines(ctx: BuildContext, r: StageResult, feed: dict, runners: list) -> dict:
+def _time_engines(ctx: BuildContext, r: StageResult, feed: dict, runners: contextlib.ExitStack) -> dict:
     """One engine: CUDA-event timing of GPU compute apart from the copies. A hybrid model: host wall clock of the
     whole composed run (engines, ONNX Runtime segments and the copies between them)."""
     from tasks.benchmark import batch_of, measure

@@ -96,13 +96,15 @@ def engine_specs(engine, trt) -> list[TensorSpec]:
         name = engine.get_tensor_name(i)
         is_input = engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT
         host = engine.get_tensor_location(name) == trt.TensorLocation.HOST
+        shape = tuple(engine.get_tensor_shape(name))
         profiles, values = (), ()
-        if is_input:
+        if is_input and -1 not in shape:  # static: every profile holds exactly this shape
+            profiles = ((shape, shape, shape),) * n_profiles
+        elif is_input:
             profiles = tuple(tuple(tuple(d) for d in engine.get_tensor_profile_shape(name, p)) for p in range(n_profiles))
-            if host and engine.is_shape_inference_io(name):
-                values = tuple(tuple(tuple(v) for v in engine.get_tensor_profile_values(p, name)) for p in range(n_profiles))
-        specs.append(TensorSpec(name, is_input, engine.get_tensor_dtype(name).name, tuple(engine.get_tensor_shape(name)),
-                                host, profiles, values))
+        if is_input and host and engine.is_shape_inference_io(name):  # a shape tensor: its values have ranges too
+            values = tuple(tuple(tuple(v) for v in engine.get_tensor_profile_values(p, name)) for p in range(n_profiles))
+        specs.append(TensorSpec(name, is_input, engine.get_tensor_dtype(name).name, shape, host, profiles, values))
     return specs
 
 
@@ -428,7 +430,7 @@ class EngineRunner:
         """CUDA-event timing per run: host-to-device copy, GPU compute (execute_async_v3) and device-to-host copy,
         each in ms, plus the host-side wall time of the whole run. Warm-up runs come first (the first one is the
         cold start: kernel specialization, lazy loading) and are reported apart."""
-        from .benchmark import latency_stats
+        from .benchmark import batch_of, latency_stats
 
         feed = self._bind(feed)
         e0, e1, e2, e3 = self.events
@@ -458,11 +460,10 @@ class EngineRunner:
             for _ in range(max(1, iterations)):
                 once()
             medians.append(float(np.median([r[1] for r in runs[start:]])))
-        batch = int(next(iter(feed.values())).shape[0]) if feed and next(iter(feed.values())).ndim else 1
         h2d, gpu, d2h, wall = (list(x) for x in zip(*runs))
         return {"timer": "cuda events", "cuda_graph": self._graph is not None or self._rtx_graph,
                 "profile": self.profile, "first_run_ms": warm[0][3], "warmup_gpu_ms": [w[1] for w in warm],
-                **latency_stats(gpu, medians, batch),
+                **latency_stats(gpu, medians, batch_of(feed)),
                 "h2d_ms": float(np.median(h2d)), "d2h_ms": float(np.median(d2h)),
                 "end_to_end_p50_ms": float(np.percentile(wall, 50)), "runs": len(runs), "notes": list(self.notes)}
 
