@@ -247,9 +247,14 @@ def _build_engines(ctx: BuildContext) -> StageResult:
         return StageResult(files=files, metrics=metrics, details=details)
 
     r = ctx.cached("build", parts, work)
-    if ctx.cfg.precision.quantized:  # the cache entry is shared with the fp16/fp32 build; here it is the baseline
+    if builds_baseline(ctx):  # the cache entry is shared with the fp16/fp32 build; here it is the baseline
         r = StageResult(files=r.files, metrics=as_baseline(r.metrics), details=r.details, origin=r.origin)
     return r
+
+
+def builds_baseline(ctx: BuildContext) -> bool:
+    """Whether build's engines are only the baseline on the way to calibrate's quantized ones (which ship)."""
+    return bool(ctx.cfg.precision.quantized)
 
 
 def calibrate(ctx: BuildContext) -> StageResult | None:
