@@ -462,7 +462,8 @@ class EngineRunner:
             medians.append(float(np.median([r[1] for r in runs[start:]])))
         h2d, gpu, d2h, wall = (list(x) for x in zip(*runs))
         return {"timer": "cuda events", "cuda_graph": self._graph is not None or self._rtx_graph,
-                "profile": self.profile, "first_run_ms": warm[0][3], "warmup_gpu_ms": [w[1] for w in warm],
+                "profile": self.profile, "first_run_ms": warm[0][3], "first_run_gpu_ms": warm[0][1],
+                "warmup_gpu_ms": [w[1] for w in warm],
                 **latency_stats(gpu, medians, batch_of(feed)),
                 "h2d_ms": float(np.median(h2d)), "d2h_ms": float(np.median(d2h)),
                 "end_to_end_p50_ms": float(np.percentile(wall, 50)), "runs": len(runs), "notes": list(self.notes)}
