@@ -68,10 +68,9 @@ def test_the_feed_is_checked_against_the_engine_tensors():
         check_feed([X, Y], {"x": np.zeros((2, 4, 8, 8), np.float32)})
     with pytest.raises(StageError, match="has shape"):
         check_feed([X, Y], {"x": np.zeros((2, 3, 8), np.float32)})
-    with pytest.raises(StageError, match=r"missing \['shape'\]"):
+    with pytest.raises(StageError, match=r"lacks the engine's inputs \['shape'\]"):
         check_feed([DATA, SHAPE], {"data": np.zeros((1, 24), np.float32)})
-    with pytest.raises(StageError, match=r"unknown \['z'\]"):
-        check_feed([X], {"x": np.zeros((1, 3, 8, 8), np.float32), "z": np.zeros(1)})
+    assert list(check_feed([X], {"x": np.zeros((1, 3, 8, 8), np.float32), "unused": np.zeros(1)})) == ["x"]
     fp8 = TensorSpec("q", True, "FP8", (4,), profiles=(((4,), (4,), (4,)),))
     with pytest.raises(StageError, match="type FP8, which numpy cannot hold"):
         check_feed([fp8], {"q": np.zeros(4, np.uint8)})
