@@ -273,7 +273,7 @@ class EngineRunner:
                  stage: str = "validate"):
         from .backend import _Logger
 
-        self.stage = stage
+        self.stage, self.notes = stage, []  # notes: what the runner decided and why (e.g. a stale runtime cache)
         self.cuda = Cuda(stage)
         self.cuda("cudaFree", 0)  # creates the CUDA context (the runtime cache checks against it)
         trt = self.trt = backend.trt
@@ -305,7 +305,6 @@ class EngineRunner:
         self._plan: dict[str, int | None] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._graph = None
-        self.notes: list[str] = []
 
     def _log(self) -> str:
         return " | ".join(self.logger.errors()[-3:]) or "no error message"
