@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import sys
 import time
 import uuid
@@ -81,6 +82,7 @@ def publish(ctx: stages.BuildContext) -> dict:
     resolved = OmegaConf.to_yaml(cfg)
     (tmp / "config.yaml").write_text(resolved)
     summary["versions"] = versions(ctx)
+    summary["host"] = socket.gethostname()  # where these numbers were measured (an up-to-date answer says so)
     summary["cache_key"] = ctx.facts["cache_key"]
     write_json(tmp / "summary.json", summary)
     try:
@@ -165,8 +167,10 @@ def up_to_date(cfg: DictConfig, key: str) -> dict | None:
     if run is None:
         return None
     when = datetime.fromtimestamp(run["start_time"] / 1000, timezone.utc).isoformat(timespec="seconds")
+    origin = {"at": when, "host": s.get("host", "?"), "mlflow_run": s["mlflow"]["run_id"]}
     for entry in s["stages"].values():
         if entry["status"] in ("ok", "cached"):
+            entry.setdefault("cached_from", origin)  # a stage that run itself took from the cache keeps its origin
             entry.update(status="cached", seconds=0.0, reason=f"up to date: built {when}")
     s["up_to_date"] = when
     return s

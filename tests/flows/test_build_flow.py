@@ -96,20 +96,40 @@ def test_identical_second_build_is_served_from_the_cache(tiny_build):
         assert second["stages"][k]["status"] == "cached", k
     assert second["engine"]["sha256"] == first["engine"]["sha256"]
     import socket
-    origin = second["stages"]["benchmark"]["cached_from"]  # when, where and by which run it was measured
-    assert origin["host"] == socket.gethostname() and origin["at"]  # recorded at compute time
+    origin = second["stages"]["benchmark"]["cached_from"]  # up to date: the numbers are the first run's
+    assert origin["mlflow_run"] == first["mlflow"]["run_id"] and origin["host"] == socket.gethostname()
+
+
+@pytest.fixture(scope="module")
+def tiny_elsewhere(tiny_build, user_config_dir):
+    """The same build into another out_dir: not up to date there, so a new run whose stages all come from the cache."""
+    tmp, first, _ = tiny_build
+    from flows.build import run_build
+
+    cfg = compose_config([f"cache_dir={tmp / 'cache'}", f"out_dir={tmp / 'out2'}", "benchmark.iterations=3",
+                          "benchmark.repeats=2", "model=tiny", "precision=fp32"], str(user_config_dir))
+    return first, run_build(cfg, str(user_config_dir), show_progress=False)
+
+
+def test_cached_stages_say_when_where_and_by_which_run_they_were_measured(tiny_elsewhere):
+    import socket
+
+    first, s = tiny_elsewhere
+    assert s["mlflow"]["run_id"] != first["mlflow"]["run_id"]
+    origin = s["stages"]["benchmark"]["cached_from"]  # stored in the cache entry when it was computed
+    assert s["stages"]["benchmark"]["status"] == "cached" and "cached_from" not in first["stages"]["benchmark"]
+    assert origin["host"] == socket.gethostname() and origin["at"]
     assert origin["mlflow_run"] == first["mlflow"]["run_id"] and origin["run"].startswith("tiny-sm_86-fp32 (")
-    assert "cached_from" not in first["stages"]["benchmark"]
-    run = mlflow_run(second["mlflow"]["run_id"]).get_run(second["mlflow"]["run_id"])
+    run = mlflow_run(s["mlflow"]["run_id"]).get_run(s["mlflow"]["run_id"])
     assert run.data.tags["cached_from.benchmark"] == \
         f"cached from {origin['at']} on {origin['host']} by MLflow run {first['mlflow']['run_id']}"
     assert run.data.tags["cosine_source"] == "onnxruntime emulation of fp32"
 
 
-def test_the_cli_says_what_accuracy_measured_and_where_cached_numbers_come_from(tiny_build, capsys):
+def test_the_cli_says_what_accuracy_measured_and_where_cached_numbers_come_from(tiny_elsewhere, capsys):
     from flows.cli import print_stage, print_summary
 
-    _, first, second = tiny_build
+    first, second = tiny_elsewhere
     print_summary(first, 1.0)
     assert "cosine_min 1.000000 vs fp32, measured by ONNX Runtime emulation of fp32 on this host, not the engine" \
         in capsys.readouterr().out
