@@ -14,6 +14,7 @@ from functools import lru_cache
 from typing import Any
 
 from .errors import StageError, UnavailableError
+from .native import NOISE
 
 MODULES = {"tensorrt_rtx": "tensorrt_rtx_bindings", "tensorrt": "tensorrt"}
 INSTALL = {
@@ -86,7 +87,9 @@ class _Logger:
                     self.messages.append((str(severity).rsplit(".", 1)[-1], msg))
 
             def errors(self) -> list[str]:
-                return [m for s, m in self.messages if s in ("ERROR", "INTERNAL_ERROR")]
+                """Error messages without GPU-less driver noise (cudaError 35 on a host without a driver)."""
+                return [clean_message(m) for s, m in self.messages
+                        if s in ("ERROR", "INTERNAL_ERROR") and not NOISE.search(m)]
 
         return Logger()
 
@@ -183,9 +186,11 @@ class Backend:
         parser = trt.OnnxParser(network, logger)
         if not parser.parse_from_file(model_path):
             errs = [parser.get_error(i) for i in range(parser.num_errors)]
-            detail = "; ".join(f"node {e.node_name() or e.node()} ({e.node_operator()}): {e.desc()}" for e in errs[:5])
-            raise StageError(f"the TensorRT ONNX parser rejected the model: {detail or logger.errors()}", stage=stage,
-                             file=model_path, fix="see the partition report for unsupported nodes")
+            detail = "; ".join(f"node {e.node_name() or e.node()} ({e.node_operator()}): {clean_message(e.desc())}"
+                               for e in errs[:5])
+            ops = [e.node_operator() for e in errs if e.node_operator()]
+            raise StageError(f"the TensorRT ONNX parser rejected the model: {detail or '; '.join(logger.errors())}",
+                             stage=stage, file=model_path, fix=route_around(ops))
         config = builder.create_builder_config()
         cc = self.compute_capability_enum(compute_capability)
         if cc is not None:
@@ -204,9 +209,10 @@ class Backend:
         serialized = builder.build_serialized_network(network, config)
         if serialized is None or serialized.nbytes == 0:
             errs = logger.errors()
-            raise StageError(f"TensorRT could not build the engine: {' | '.join(errs[-3:]) or 'no error message'}",
-                             stage=stage, file=model_path,
-                             fix="check the profiles and the partition report; a parsed model can still fail in the builder")
+            culprit = node_named_in(model_path, errs)
+            where = f"node {culprit[0]!r} ({culprit[1]}): " if culprit else ""
+            raise StageError(f"TensorRT could not build the engine: {where}{' | '.join(errs[-3:]) or 'no error message'}",
+                             stage=stage, file=model_path, fix=route_around([culprit[1]] if culprit else []))
         return bytes(serialized)
 
     def engine_validity(self, engine: bytes) -> str:
@@ -216,6 +222,51 @@ class Backend:
             return "unknown"
         validity, _ = runtime.get_engine_validity(engine)
         return str(validity).rsplit(".", 1)[-1]
+
+
+def clean_message(msg: str) -> str:
+    """A TensorRT message without its source locations ("In op at /_src/...cpp:2699")."""
+    import re
+
+    return re.sub(r"\s*In \w+ at /\S+", "", msg).strip()
+
+
+def route_around(ops: list[str]) -> str:
+    """How to build anyway: the config keys that keep the failing ops (or small islands) out of TensorRT."""
+    ops = sorted(set(ops))
+    if ops:
+        return (f"run {'it' if len(ops) == 1 else 'them'} in ONNX Runtime with partition.exclude_ops=[{','.join(ops)}] "
+                "(or raise partition.min_subgraph_size=N to keep TensorRT islands smaller than N nodes native); "
+                "partition.json lists the TensorRT subgraphs")
+    return ("check the profiles (every shape between min and max must be valid for the model); to keep ops out of "
+            "TensorRT: partition.exclude_ops=[Op,...] or partition.min_subgraph_size=N (partition.json lists the subgraphs)")
+
+
+def node_named_in(model_path: str, messages: list[str]) -> tuple[str, str] | None:
+    """(name, op) of the ONNX node a TensorRT error names (TensorRT names layers after their nodes); the longest match."""
+    if not messages:
+        return None
+    import onnx
+
+    from .graph import subgraphs
+
+    text = "\n".join(messages)
+    try:
+        model = onnx.load(model_path, load_external_data=False)
+    except Exception:
+        return None
+    best = None
+
+    def visit(g):
+        nonlocal best
+        for n in g.node:
+            if len(n.name) >= 3 and n.name in text and (best is None or len(n.name) > len(best[0])):
+                best = (n.name, n.op_type)
+            for sub in subgraphs(n):
+                visit(sub)
+
+    visit(model.graph)
+    return best
 
 
 def progress_monitor(trt, console_file) -> Any:

@@ -70,6 +70,7 @@ def save_onnx(model, path: Path) -> None:
 def sanitize(model) -> tuple[Any, list[str]]:
     """Make a graph TensorRT and the later stages can rely on.
 
+    - legacy IR < 4 models (every initializer also a graph input) move to IR 4: initializers are weights only;
     - Constant nodes become initializers (constant folding of what is stored as nodes);
     - symbolic dims that repeat inside one input (PP-OCR cls names H and W both '?') get distinct names,
       because TensorRT reads a shared name as one dimension and refuses non-square profiles;
@@ -77,11 +78,15 @@ def sanitize(model) -> tuple[Any, list[str]]:
     """
     import onnx
 
-    from .graph import fold_constants
+    from .graph import drop_initializer_inputs, fold_constants
 
     notes: list[str] = []
     g = model.graph
-    folded = fold_constants(g) if model.ir_version >= 4 else 0  # IR < 4: initializers must also be inputs
+    ir = model.ir_version
+    dropped = drop_initializer_inputs(model)
+    if dropped:
+        notes.append(f"IR {ir} -> {model.ir_version}: {dropped} initializers no longer listed as graph inputs")
+    folded = fold_constants(g)
     if folded:
         notes.append(f"{folded} Constant nodes folded into initializers")
     inits = {i.name for i in g.initializer}

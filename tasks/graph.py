@@ -5,6 +5,25 @@ import onnx
 from onnx import TensorProto, helper
 
 
+def drop_initializer_inputs(model: onnx.ModelProto) -> int:
+    """IR < 4 -> IR 4: initializers stop being graph inputs too; returns how many inputs were dropped.
+
+    Before IR 4 every initializer had to be listed as a graph input (a default a caller could override). The fp16
+    converter retypes initializers but not those input entries, which ONNX Runtime then refuses ("Tensor element
+    type mismatch"); TensorRT and the later stages treat them as weights anyway. Models at IR >= 4 are left alone.
+    """
+    if model.ir_version >= 4:
+        return 0
+    g = model.graph
+    inits = {t.name for t in g.initializer}
+    keep = [i for i in g.input if i.name not in inits]
+    dropped = len(g.input) - len(keep)
+    del g.input[:]
+    g.input.extend(keep)
+    model.ir_version = max(4, helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True))
+    return dropped
+
+
 def fold_constants(g: onnx.GraphProto) -> int:
     """Move top-level Constant nodes into initializers.
 

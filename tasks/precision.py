@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .graph import fold_constants, node_inputs, subgraphs, uniquify_node_names
+from .graph import drop_initializer_inputs, fold_constants, node_inputs, subgraphs, uniquify_node_names
 
 FP16_MAX = 65504.0
 # Initializers whose fp16 rounding error (relative L2) exceeds this keep their
@@ -74,7 +74,8 @@ def _fp16_from_onnx(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
     m.CopyFrom(model)
     g = m.graph
 
-    folded = fold_constants(g) if m.ir_version >= 4 else 0  # IR<4: initializers must be inputs
+    drop_initializer_inputs(m)  # legacy IR < 4: initializers listed as inputs too (export does this already)
+    folded = fold_constants(g)
     uniquify_node_names(g)
 
     op_block = set(float16.DEFAULT_OP_BLOCK_LIST) | set(EXTRA_FP32_OPS)

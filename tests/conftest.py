@@ -182,3 +182,28 @@ def two_input_conf(session_tmp) -> Path:
     (d / "model" / "encoder.yaml").write_text(
         f"name: encoder\nsource: {onnx_path}\nprofiles:\n  - input_ids: {rng}\n    attention_mask: {rng}\n")
     return d
+
+
+def make_legacy_ir3_model() -> "onnx.ModelProto":
+    """A model as ONNX model-zoo files of IR 3 / opset 9 are: Conv -> BatchNormalization -> Relu -> Gemm, with every
+    initializer also listed as a graph input (required before IR 4)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(3)
+    arrays = {"w": rng.standard_normal((4, 3, 3, 3)) * 0.3, "b": rng.standard_normal(4) * 0.1,
+              "scale": 1 + rng.random(4), "bias": rng.standard_normal(4) * 0.1, "mean": rng.standard_normal(4) * 0.1,
+              "var": 0.5 + rng.random(4), "fc_w": rng.standard_normal((4 * 6 * 6, 5)) * 0.1, "fc_b": np.zeros(5)}
+    inits = [numpy_helper.from_array(a.astype(np.float32), k) for k, a in arrays.items()]
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1], name="conv"),
+             helper.make_node("BatchNormalization", ["c", "scale", "bias", "mean", "var"], ["bn"], name="bn"),
+             helper.make_node("Relu", ["bn"], ["r"], name="relu"),
+             helper.make_node("Flatten", ["r"], ["f"], name="flatten"),
+             helper.make_node("Gemm", ["f", "fc_w", "fc_b"], ["y"], name="fc")]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 6, 6])]
+    inputs += [helper.make_tensor_value_info(t.name, TensorProto.FLOAT, list(t.dims)) for t in inits]
+    graph = helper.make_graph(nodes, "legacy", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 5])],
+                              initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 9)], producer_name="trtforge-tests")
+    model.ir_version = 3
+    return model

@@ -48,6 +48,29 @@ def test_builder_failure_is_wrapped_with_stage_and_file(tiny_onnx, tmp_path, rtx
     with pytest.raises(StageError) as e:
         engine_from_onnx(tiny_onnx, tmp_path / "e.engine", [bad], "8.6", BUILD, rtx, show_progress=False)
     assert "[build]" in str(e.value) and "tiny.onnx" in str(e.value)
+    assert "cudaError" not in str(e.value) and "/_src/" not in str(e.value)
+
+
+def test_builder_failure_names_the_node_its_op_and_the_keys_that_route_around_it(tmp_path, rtx):
+    # Two inputs whose batch dims the profile sets to 3 and 2: the parser takes the Add, the builder refuses it.
+    import onnx
+    from onnx import TensorProto as TP
+    from onnx import helper as oh
+
+    nodes = [oh.make_node("Relu", ["x"], ["r"], name="relu_in"), oh.make_node("Add", ["r", "z"], ["a"], name="bad_add"),
+             oh.make_node("Relu", ["a"], ["y"], name="relu_out")]
+    graph = oh.make_graph(nodes, "bad", [oh.make_tensor_value_info("x", TP.FLOAT, ["N", 6]),
+                                          oh.make_tensor_value_info("z", TP.FLOAT, ["M", 6])],
+                          [oh.make_tensor_value_info("y", TP.FLOAT, None)])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(tmp_path / "bad.onnx"))
+    profile = {"x": {"min": [3, 6], "opt": [3, 6], "max": [3, 6]}, "z": {"min": [2, 6], "opt": [2, 6], "max": [2, 6]}}
+    with pytest.raises(StageError) as e:
+        engine_from_onnx(tmp_path / "bad.onnx", tmp_path / "e.engine", [profile], "8.6", BUILD, rtx, show_progress=False)
+    assert "node 'bad_add' (Add)" in e.value.message
+    assert "partition.exclude_ops=[Add]" in e.value.fix and "partition.min_subgraph_size" in e.value.fix
+    assert "cudaError" not in str(e.value) and "/_src/" not in str(e.value)
 
 
 def test_cls_with_a_non_square_profile_builds_after_sanitize(cls_path, tmp_path, rtx):

@@ -48,3 +48,19 @@ def test_torch_factory_that_cannot_be_imported_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError) as e:
         onnx_from_model(cfg, [], tmp_path / "m.onnx")
     assert "no.such.module:make" in str(e.value)
+
+
+def test_legacy_ir3_initializers_stop_being_inputs():
+    import numpy as np
+    import onnxruntime as ort
+
+    from tests.conftest import make_legacy_ir3_model
+
+    legacy = make_legacy_ir3_model()
+    model, notes = sanitize(make_legacy_ir3_model())
+    assert model.ir_version == 4 and [i.name for i in model.graph.input] == ["x"]
+    assert any("IR 3 -> 4" in n for n in notes)
+    onnx.checker.check_model(model, full_check=True)
+    x = np.random.default_rng(0).standard_normal((1, 3, 6, 6)).astype(np.float32)
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]  # noqa: E731
+    np.testing.assert_allclose(run(model), run(legacy), rtol=1e-6, atol=1e-6)
