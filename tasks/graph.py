@@ -95,3 +95,36 @@ def node_inputs(node: onnx.NodeProto) -> list[str]:
         for n in g.node:
             names += [i for i in node_inputs(n) if i not in inner]
     return names
+
+
+def toposort(g: onnx.GraphProto) -> bool:
+    """Stable topological sort (iterative DFS), recursing into subgraphs; True when some order changed."""
+    nodes = list(g.node)
+    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    deps = [[producer[x] for x in node_inputs(n) if x in producer] for n in nodes]
+    done = [False] * len(nodes)
+    order = []
+    for root in range(len(nodes)):
+        if done[root]:
+            continue
+        done[root] = True
+        stack = [(root, 0)]
+        while stack:
+            i, k = stack[-1]
+            if k < len(deps[i]):
+                stack[-1] = (i, k + 1)
+                j = deps[i][k]
+                if not done[j]:
+                    done[j] = True
+                    stack.append((j, 0))
+            else:
+                stack.pop()
+                order.append(i)
+    changed = order != list(range(len(nodes)))
+    if changed:
+        del g.node[:]
+        g.node.extend(nodes[i] for i in order)
+    for node in g.node:
+        for sub in subgraphs(node):
+            changed |= toposort(sub)
+    return changed

@@ -102,9 +102,15 @@ def load_onnx(path: Path, key: str = "model.source", load_external_data: bool = 
                           file=str(path), fix="re-export the model, or point the key at the right file") from None
     if not model.graph.node:
         raise ConfigError(f"{key}: {path} has an empty graph", file=str(path), fix="re-export the model")
-    try:
-        onnx.checker.check_model(model, full_check=False)
-    except Exception as e:
-        raise ConfigError(f"{key}: {path} fails the ONNX checker: {str(e).splitlines()[0][:300]}", file=str(path),
-                          fix="re-export the model with a supported opset") from None
-    return model
+    from .graph import toposort
+
+    for first in (True, False):
+        try:
+            onnx.checker.check_model(model, full_check=False)
+            return model
+        except Exception as e:
+            # ONNX Runtime and TensorRT accept nodes out of topological order; the later stages need it: sort them.
+            if first and "topologically sorted" in str(e) and toposort(model.graph):
+                continue
+            raise ConfigError(f"{key}: {path} fails the ONNX checker: {str(e).splitlines()[0][:300]}", file=str(path),
+                              fix="re-export the model with a supported opset") from None

@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .graph import drop_initializer_inputs, fold_constants, node_inputs, subgraphs, uniquify_node_names
+from .graph import drop_initializer_inputs, fold_constants, node_inputs, subgraphs, toposort, uniquify_node_names
 
 FP16_MAX = 65504.0
 # Initializers whose fp16 rounding error (relative L2) exceeds this keep their
@@ -75,6 +75,7 @@ def _fp16_from_onnx(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
     g = m.graph
 
     drop_initializer_inputs(m)  # legacy IR < 4: initializers listed as inputs too (export does this already)
+    toposort(g)  # the passes below walk nodes in order (export sorts already)
     folded = fold_constants(g)
     uniquify_node_names(g)
 
@@ -103,7 +104,7 @@ def _fp16_from_onnx(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
     bypassed = _bypass_cast_round_trips(g)
     outer_casts = _fix_outer_scope_refs(g, op_block, set(reasons))
     if outer_casts:
-        _toposort(g)
+        toposort(g)
     uniquify_node_names(g)
     _drop_dangling_value_info(g)
 
@@ -153,7 +154,7 @@ def _convert_graph(graph: onnx.GraphProto, op_block: set[str], node_block: set[s
             # removed later (fp32 consumer); _fix_outer_scope_refs does it right.
             top = False
         level = next_level
-    _toposort(graph)
+    toposort(graph)
     # Not f.remove_unnecessary_cast_node: it ignores subgraph references (drops
     # Casts whose outputs If branches read) and runs before _retarget_float_casts
     # (bypasses a Cast(to=FLOAT) still meant to output fp16); _bypass_cast_round_trips
@@ -197,40 +198,6 @@ def _cast_around_blocked(g: onnx.GraphProto, op_block: set[str], node_block: set
                 v.type.tensor_type.elem_type = TensorProto.FLOAT16
                 g.node.append(helper.make_node("Cast", [new], [name], to=TensorProto.FLOAT16, name=f"{node.name}_output_cast{i}"))
                 node.output[i] = new
-
-
-def _toposort(g: onnx.GraphProto) -> None:
-    """Stable topological sort (iterative DFS), recursing into subgraphs."""
-    nodes = list(g.node)
-    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
-    deps = [[producer[x] for x in node_inputs(n) if x in producer] for n in nodes]
-    done = [False] * len(nodes)
-    order = []
-    for root in range(len(nodes)):
-        if done[root]:
-            continue
-        done[root] = True
-        stack = [(root, 0)]
-        while stack:
-            i, k = stack[-1]
-            if k < len(deps[i]):
-                stack[-1] = (i, k + 1)
-                j = deps[i][k]
-                if not done[j]:
-                    done[j] = True
-                    stack.append((j, 0))
-            else:
-                stack.pop()
-                order.append(i)
-    if order != list(range(len(nodes))):
-        del g.node[:]
-        g.node.extend(nodes[i] for i in order)
-    for node in g.node:
-        for a in node.attribute:
-            for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
-                _toposort(sub)
-
-
 
 
 def _shape_only_nodes(g: onnx.GraphProto) -> list[str]:

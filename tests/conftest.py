@@ -207,3 +207,24 @@ def make_legacy_ir3_model() -> "onnx.ModelProto":
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 9)], producer_name="trtforge-tests")
     model.ir_version = 3
     return model
+
+
+def make_fp16_weights_unsorted_model() -> "onnx.ModelProto":
+    """fp16 weights behind Cast(to=FLOAT) nodes (a model saved at half precision, computing in fp32), with its nodes
+    stored out of topological order: ONNX Runtime and TensorRT take it, onnx.checker does not."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(5)
+    w1 = numpy_helper.from_array((rng.standard_normal((16, 8)) * 0.3).astype(np.float16), "w1_fp16")
+    w2 = numpy_helper.from_array((rng.standard_normal((8, 4)) * 0.3).astype(np.float16), "w2_fp16")
+    nodes = [helper.make_node("MatMul", ["h", "w2"], ["y"], name="mm2"),  # consumers first
+             helper.make_node("Relu", ["xw"], ["h"], name="relu"),
+             helper.make_node("MatMul", ["x", "w1"], ["xw"], name="mm1"),
+             helper.make_node("Cast", ["w2_fp16"], ["w2"], to=TensorProto.FLOAT, name="cast_w2"),
+             helper.make_node("Cast", ["w1_fp16"], ["w1"], to=TensorProto.FLOAT, name="cast_w1")]
+    graph = helper.make_graph(nodes, "half", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])], initializer=[w1, w2])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="trtforge-tests")
+    model.ir_version = 8
+    return model

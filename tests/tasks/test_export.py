@@ -64,3 +64,22 @@ def test_legacy_ir3_initializers_stop_being_inputs():
     x = np.random.default_rng(0).standard_normal((1, 3, 6, 6)).astype(np.float32)
     run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]  # noqa: E731
     np.testing.assert_allclose(run(model), run(legacy), rtol=1e-6, atol=1e-6)
+
+
+def test_nodes_out_of_topological_order_are_sorted_not_refused(tmp_path):
+    import numpy as np
+    import onnxruntime as ort
+
+    from tests.conftest import make_fp16_weights_unsorted_model
+
+    raw = make_fp16_weights_unsorted_model()
+    onnx.save(raw, str(tmp_path / "half.onnx"))
+    with pytest.raises(Exception, match="topologically sorted"):
+        onnx.checker.check_model(raw)
+    r = onnx_from_model({"format": "onnx", "source": str(tmp_path / "half.onnx")}, [], tmp_path / "m.onnx")
+    m = onnx.load(str(r.files["onnx"]))
+    onnx.checker.check_model(m)
+    assert [n.name for n in m.graph.node][-1] == "mm2"
+    x = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
+    run = lambda mm: ort.InferenceSession(mm.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]  # noqa: E731
+    np.testing.assert_allclose(run(m), run(raw), rtol=1e-6)

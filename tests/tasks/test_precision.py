@@ -588,3 +588,14 @@ def test_legacy_ir3_model_converts_to_a_loadable_fp16_model():
     a, b = _ort_io(fp32, {"x": x})[0], _ort_io(fp16, {"x": x})[0]
     assert b.dtype == np.float32 and _cosine(a, b) >= MIN_COSINE
     assert _trt_build(fp16, {"x": ((1, 3, 6, 6),) * 3}) > 0
+
+
+def test_model_with_fp16_weights_and_unsorted_nodes_passes_through():
+    from tests.conftest import make_fp16_weights_unsorted_model
+
+    raw = make_fp16_weights_unsorted_model()
+    fp16, stats = _convert(raw)
+    assert stats["already_fp16"]
+    x = np.random.default_rng(6).standard_normal((3, 16)).astype(np.float32)
+    assert _cosine(_ort_io(raw, {"x": x})[0], _ort_io(fp16, {"x": x})[0]) >= MIN_COSINE
+    assert _trt_build(fp16, {"x": ((1, 16), (2, 16), (4, 16))}) > 0
