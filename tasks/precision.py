@@ -290,7 +290,7 @@ def _keep_float_value_info(g: onnx.GraphProto) -> None:
 
 
 def _retarget_float_casts(g: onnx.GraphProto) -> int:
-    """Cast(to=FLOAT) whose output the converter declared fp16 -> Cast(to=FLOAT16).
+    """Cast(to=FLOAT) whose output the converter declared fp16 -> Cast(to=FLOAT16), subgraphs (If/Loop bodies) included.
 
     onnxconverter-common 1.16 changes the output type but not the ``to`` attribute.
     """
@@ -303,6 +303,8 @@ def _retarget_float_casts(g: onnx.GraphProto) -> int:
                 if a.name == "to" and a.i == TensorProto.FLOAT:
                     a.i = TensorProto.FLOAT16
                     n += 1
+        for sub in subgraphs(node):
+            n += _retarget_float_casts(sub)
     return n
 
 

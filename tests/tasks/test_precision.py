@@ -599,3 +599,29 @@ def test_model_with_fp16_weights_and_unsorted_nodes_passes_through():
     x = np.random.default_rng(6).standard_normal((3, 16)).astype(np.float32)
     assert _cosine(_ort_io(raw, {"x": x})[0], _ort_io(fp16, {"x": x})[0]) >= MIN_COSINE
     assert _trt_build(fp16, {"x": ((1, 16), (2, 16), (4, 16))}) > 0
+
+
+def test_float_cast_inside_an_if_branch_is_retargeted():
+    # Silero VAD v6: Cast(to=FLOAT) inside If branches. The converter declares its output fp16 but leaves to=FLOAT;
+    # only the top-level graph was fixed, so ONNX Runtime refused the fp16 model ("Type (tensor(float16)) of
+    # output arg ... does not match expected type (tensor(float))").
+    rng = np.random.default_rng(9)
+    c = nh.from_array((rng.standard_normal(4) * 0.5).astype(np.float32), "c")
+    then = oh.make_graph([oh.make_node("Mul", ["x", "c"], ["m"], name="t_mul"),
+                          oh.make_node("Cast", ["m"], ["mc"], to=TP.FLOAT, name="t_cast"),
+                          oh.make_node("Relu", ["mc"], ["t_out"], name="t_relu")],
+                         "then", [], [oh.make_tensor_value_info("t_out", TP.FLOAT, ["N", 4])])
+    other = oh.make_graph([oh.make_node("Neg", ["x"], ["e_out"], name="e_neg")], "else", [],
+                          [oh.make_tensor_value_info("e_out", TP.FLOAT, ["N", 4])])
+    nodes = [oh.make_node("ReduceSum", ["x"], ["s"], keepdims=0, name="sum"),
+             oh.make_node("Greater", ["s", "zero"], ["cond"], name="gt"),
+             oh.make_node("If", ["cond"], ["y"], then_branch=then, else_branch=other, name="branch")]
+    graph = oh.make_graph(nodes, "if_cast", [oh.make_tensor_value_info("x", TP.FLOAT, ["N", 4])],
+                          [oh.make_tensor_value_info("y", TP.FLOAT, ["N", 4])],
+                          [c, nh.from_array(np.array(-1e9, np.float32), "zero")])
+    fp32 = onnx.shape_inference.infer_shapes(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=8))
+    fp16, stats = _convert(fp32)
+    assert stats["casts_retargeted"] >= 1
+    x = rng.standard_normal((3, 4)).astype(np.float32)
+    a, b = _ort_io(fp32, {"x": x})[0], _ort_io(fp16, {"x": x})[0]
+    assert b.dtype == np.float32 and _cosine(a, b) >= MIN_COSINE
