@@ -14,7 +14,7 @@ export MLFLOW_DISABLE_TELEMETRY ?= true
 export DO_NOT_TRACK ?= true
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
-.PHONY: build test ui rebuild serve setup clean
+.PHONY: build test ui rebuild serve setup clean zoo
 
 # (Re)install when pyproject.toml changes.
 $(STAMP): pyproject.toml
@@ -38,6 +38,11 @@ rebuild: $(STAMP)
 # a Prefect server on 127.0.0.1 (started unless one answers) serving the rebuild on conf/rebuild.yaml's cron
 serve: $(STAMP)
 	$(PY) -m flows.serve $(ARGS)
+
+# The model zoo (benchmarks/zoo.py): installs the packages that carry its models, then builds them; ZOO_ARGS="--small".
+zoo: $(STAMP)
+	$(PY) benchmarks/zoo.py --install
+	$(PY) benchmarks/zoo.py $(ZOO_ARGS)
 
 ui: $(STAMP)
 	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(VENV)/bin/mlflow ui --workers 1 --host 127.0.0.1 --port $(PORT) \
