@@ -34,11 +34,14 @@ def test_two_workers_on_two_pools_each_take_only_their_own_targets(tmp_path, use
             workers.append(subprocess.Popen([prefect, "worker", "start", "--pool", pool, "--name", f"w-{pool}"],
                                             env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                             start_new_session=True))
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
         from flows.farm import submit
         common = ["model=tiny", "precision=fp32", "stages.benchmark=false", f"out_dir={tmp_path / 'out'}",
                   f"cache_dir={tmp_path / 'cache'}"]
-        rtx = submit([*common, "target=sm_86"], str(user_config_dir))
-        ent = submit([*common, "target=sm_90"], str(user_config_dir))
+        with temporary_settings({PREFECT_API_URL: url}):  # this server, even inside the session's test harness
+            rtx = submit([*common, "target=sm_86"], str(user_config_dir))
+            ent = submit([*common, "target=sm_90"], str(user_config_dir))
         assert (rtx.work_pool_name, ent.work_pool_name) == ("trtforge-rtx", "trtforge-sm_90")
         deadline, done = time.monotonic() + 400, {}
         while len(done) < 2 and time.monotonic() < deadline:
