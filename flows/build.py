@@ -21,7 +21,7 @@ env_defaults()  # before Prefect and MLflow are imported
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from flows import stages  # noqa: E402
 from flows.lazy import NONE, flow, task  # noqa: E402  (Prefect is imported when a build has work)
-from flows.cache import (StageCache, build_key, locked, new_result_dir, publish_dir, published,  # noqa: E402
+from flows.cache import (StageCache, build_key, new_result_dir, named_lock, publish_dir, published,  # noqa: E402
                          remove_result, result_dir)
 from flows.config import compose_config, flat_params, preflight  # noqa: E402
 from tasks.errors import TrtforgeError  # noqa: E402
@@ -133,7 +133,7 @@ def run_build(cfg: DictConfig, config_dir: str | None = None, show_progress: boo
     done = up_to_date(cfg, key)
     if done is None:
         # one build per result folder at a time: an identical build waits, then finds the result up to date
-        with locked(result_dir(cfg).parent / f".{cfg.precision.name}.build.lock"):
+        with named_lock(result_dir(cfg), "build"):
             done = up_to_date(cfg, key)
             if done is None:
                 facts = preflight(cfg, config_dir)
@@ -183,7 +183,18 @@ def main(argv: list[str] | None = None) -> int:
     if args is None:
         return 0
     code = 0
-    for overrides in sweep(args.overrides, args.multirun):
+    combos = sweep(args.overrides, args.multirun)
+    from flows.sweep import jobs, run_sweep
+    if len(combos) > 1 and not args.cfg and jobs(len(combos)) > 1:  # builds in parallel processes
+        def report(r: dict) -> None:
+            if "summary" in r:
+                for name, entry in r["summary"]["stages"].items():
+                    print_stage(name, entry)
+                print_summary(r["summary"], r["seconds"])
+            else:
+                print(f"trtforge: error: {' '.join(r['overrides'])}: {r['error']}", file=sys.stderr)
+        return run_sweep(combos, args.config_dir, report)
+    for overrides in combos:
         try:
             cfg = compose_config(overrides, args.config_dir)
             if args.cfg:

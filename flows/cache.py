@@ -38,6 +38,16 @@ def locked(path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def named_lock(path: Path, what: str):
+    """An exclusive lock named after `path` (a result folder, a tracking store), kept in the temp dir: nothing is
+    written into `out_dir` before a result is."""
+    import hashlib
+    import tempfile
+
+    digest = hashlib.sha256(str(path).encode()).hexdigest()[:24]
+    return locked(Path(tempfile.gettempdir()) / "trtforge-locks" / f"{path.name}.{what}.{digest}.lock")
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -204,7 +214,7 @@ def new_result_dir(final: Path) -> Path:
 def publish_dir(folder: Path, final: Path) -> None:
     """Make `folder` the current result: it becomes the version folder `.<name>.v-<id>` and `final` a symlink to it,
     replaced in one atomic rename; other versions are removed. A reader sees the old result or the new one."""
-    with locked(final.parent / f".{final.name}.lock"):
+    with named_lock(final, "publish"):
         version = final.parent / f".{final.name}.v-{uuid.uuid4().hex[:12]}"
         os.replace(folder, version)
         link = final.parent / temp_name(f".{final.name}.link")
@@ -218,7 +228,7 @@ def publish_dir(folder: Path, final: Path) -> None:
 
 
 def remove_result(final: Path) -> None:
-    with locked(final.parent / f".{final.name}.lock"):
+    with named_lock(final, "publish"):
         if final.is_symlink():
             final.unlink()
         elif final.is_dir():

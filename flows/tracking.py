@@ -110,15 +110,16 @@ def log_build(*, experiment: str, summary: dict, params: dict[str, str], resolve
     _quiet()
     uri = tracking_uri()
     mlflow.set_tracking_uri(uri)
-    if mlflow.get_experiment_by_name(experiment) is None:
-        # artifacts live beside the SQLite store they belong to (MLflow's default is ./mlruns of whatever cwd)
-        location = None
-        if uri.startswith("sqlite:///"):
-            location = (Path(uri[len("sqlite:///"):]).resolve().parent / "mlruns").as_uri()
-        try:
+    from flows.cache import named_lock
+
+    # the first use of a store creates its tables: builds running in parallel take turns (else half-migrated reads)
+    with named_lock(Path(uri), "mlflow-store"):
+        if mlflow.get_experiment_by_name(experiment) is None:
+            # artifacts live beside the SQLite store they belong to (MLflow's default is ./mlruns of whatever cwd)
+            location = None
+            if uri.startswith("sqlite:///"):
+                location = (Path(uri[len("sqlite:///"):]).resolve().parent / "mlruns").as_uri()
             mlflow.create_experiment(experiment, artifact_location=location)
-        except Exception:  # created meanwhile by a parallel build
-            pass
     exp = mlflow.set_experiment(experiment)
     end_orphans(exp.experiment_id)
     name = f"{summary['model']}-{summary['target']}-{summary['precision']}"

@@ -108,3 +108,16 @@ def test_ok_builds_are_registry_versions_with_an_alias_and_rebuild_does_exactly_
     assert c.get_model_version_by_alias(a, "sm_86-fp16").version == moved.version
     worse = c.get_model_version(a, r["failed"][0]["version"])
     assert float(worse.tags["cosine_min"]) < float(moved.tags["cosine_min"]) - 0.001
+
+
+def test_a_retried_tracking_call_continues_its_own_run(tmp_path):
+    from flows.tracking import log_build
+
+    (tmp_path / "summary.json").write_text("{}")
+    summary = {"model": "m", "target": "sm_86", "precision": "fp32", "status": "failed", "stages": {}, "metrics": {},
+               "engines": [], "cache_key": "k"}
+    kw = dict(experiment=f"retry-{uuid.uuid4().hex[:8]}", summary=summary, params={"a": "1"}, resolved_yaml="a: 1\n",
+              out_dir=tmp_path, engine_files=[], versions={"backend": "x"}, build_id=uuid.uuid4().hex, provenance={})
+    first, again = log_build(**kw), log_build(**kw)
+    assert first["run_id"] == again["run_id"]
+    assert len(client().search_runs([first["experiment_id"]])) == 1

@@ -1,0 +1,79 @@
+"""Sweeps (`python -m flows.build -m target=a,b precision=x,y`): the builds run in parallel in a pool of build
+processes (TensorRT parsing and building hold the GIL), TRTFORGE_JOBS of them (default: the CPU count).
+
+Every configuration is composed and checked first (bad input: exit 2 before any work). Up-to-date builds are
+answered here. The stages the builds share (export, partition, the Q/DQ graph per precision) are computed once:
+the first build to need a cache entry computes it under the entry's lock, the others wait and reuse it. The workers
+report to one Prefect server (PREFECT_API_URL, or a temporary one started here) instead of one each.
+"""
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from multiprocessing import get_context
+from typing import Callable
+
+
+def jobs(n: int) -> int:
+    return max(1, min(n, int(os.environ.get("TRTFORGE_JOBS") or os.cpu_count() or 1)))
+
+
+def _worker_build(overrides: list[str], config_dir: str | None) -> dict:
+    """One build in a pool process: the summary, or the error it ended with (rendered, with its exit code)."""
+    from flows.build import run_build
+    from flows.config import compose_config
+    from tasks.errors import TrtforgeError
+
+    t0 = time.perf_counter()
+    try:
+        summary = run_build(compose_config(overrides, config_dir), config_dir, show_progress=False, overrides=overrides)
+        return {"summary": summary, "seconds": time.perf_counter() - t0}
+    except TrtforgeError as e:
+        return {"error": e.render(), "exit_code": e.exit_code, "overrides": overrides}
+    except Exception as e:  # a bug or an environment failure: short, non-zero
+        return {"error": f"internal error: {type(e).__name__}: {str(e)[:500]}", "exit_code": 1, "overrides": overrides}
+
+
+def run_sweep(combos: list[list[str]], config_dir: str | None, report: Callable[[dict], None]) -> int:
+    """Run the combinations in parallel; `report` gets each worker's result as it finishes. Returns the exit status."""
+    from flows.build import up_to_date
+    from flows.cache import build_key
+    from flows.config import compose_config, preflight
+    from tasks.errors import TrtforgeError
+
+    work, code = [], 0
+    for ov in combos:  # bad input is reported before any heavy work; the other combinations still build
+        try:
+            cfg = compose_config(ov, config_dir)
+            done = up_to_date(cfg, build_key(cfg, config_dir))
+            if done is None:
+                preflight(cfg, config_dir)
+        except TrtforgeError as e:
+            report({"error": e.render(), "exit_code": e.exit_code, "overrides": ov})
+            code = max(code, e.exit_code)
+            continue
+        if done is not None:
+            report({"summary": done, "seconds": 0.0})
+        else:
+            work.append(ov)
+    if not work:
+        return code
+    server = None
+    if "PREFECT_API_URL" not in os.environ and len(work) > 1:
+        from prefect.server.api.server import SubprocessASGIServer
+
+        server = SubprocessASGIServer()
+        server.start(timeout=int(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")))
+        os.environ["PREFECT_API_URL"] = server.api_url  # inherited by the spawned workers
+    try:
+        with ProcessPoolExecutor(jobs(len(work)), mp_context=get_context("spawn")) as pool:
+            for f in as_completed([pool.submit(_worker_build, ov, config_dir) for ov in work]):
+                r = f.result()
+                report(r)
+                code = max(code, r.get("exit_code", 0 if r.get("summary", {}).get("status") == "ok" else 1))
+    finally:
+        if server is not None:
+            os.environ.pop("PREFECT_API_URL", None)
+            server.stop()
+    return code
