@@ -120,3 +120,16 @@ def test_dynamic_quantization_runs_natively_or_in_float_on_request(prefect_harne
     assert fl["status"] == "ok", fl.get("error")
     assert fl["metrics"]["fallback_nodes"] == 0 and fl["metrics"]["trt_subgraphs"] == 1
     assert fl["metrics"]["cosine_min"] > 0.999  # float weights vs the shipped dynamic quantization
+
+
+def test_cli_paddle_model_without_its_params_exits_2_with_no_run(tmp_path):
+    from tests.flows.test_build_flow import cli
+
+    (tmp_path / "conf" / "model").mkdir(parents=True)
+    (tmp_path / "inference.pdmodel").write_bytes(b"\x08\x01")
+    (tmp_path / "conf" / "model" / "pd.yaml").write_text(
+        f"name: pd\nformat: paddle\nsource: {tmp_path / 'inference.pdmodel'}\n")
+    r = cli(["--config-dir", str(tmp_path / "conf"), "model=pd", "precision=fp32"], tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert "inference.pdiparams is missing" in r.stderr and "fix:" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "cli-mlflow.db").exists() and not (tmp_path / "out").exists()
