@@ -463,6 +463,8 @@ def validate(ctx: BuildContext) -> StageResult:
         raise Skip("disabled (stages.validate=false)")
     ref = ctx.results["export"]
     reference = ref.files.get("reference", ref.files["onnx"])  # a pre-quantized model: as shipped, in ONNX Runtime
+    reference_label = "the model as shipped" if "reference" in ref.files else "fp32"
+    ctx.stages.setdefault("validate", {})["reference"] = reference_label
     cand = deliverable(ctx)
     cc = ctx.cfg.target.compute_capability
     gpu = trt_backend.gpu_for(cc)
@@ -482,7 +484,7 @@ def validate(ctx: BuildContext) -> StageResult:
         try:
             return validate_onnx(reference, candidate_runner(ctx, use_engines=False), feeds,
                                  ctx.cfg.accuracy.min_cosine, source, d / "validation.json", engine_outputs=engine_outputs,
-                                 engine_skip_reason=engine_reason, label=label)
+                                 engine_skip_reason=engine_reason, label=label, reference_label=reference_label)
         except AccuracyError as e:  # the verdict is a result too: cache it, gate below
             return e.result
 
@@ -495,7 +497,7 @@ def validate(ctx: BuildContext) -> StageResult:
     r.details["data"] = record.as_dict()
     if not r.details["passed"]:
         worst = min(r.details["outputs"], key=lambda n: r.details["outputs"][n]["cosine"])
-        e = AccuracyError(f"output {worst!r} has cosine {r.metrics['cosine_min']:.6f} to fp32, below "
+        e = AccuracyError(f"output {worst!r} has cosine {r.metrics['cosine_min']:.6f} to {reference_label}, below "
                           f"accuracy.min_cosine={ctx.cfg.accuracy.min_cosine}", stage="validate", file=label,
                           fix="use a higher precision, or lower accuracy.min_cosine if that loss is acceptable")
         e.result = r

@@ -70,7 +70,7 @@ def converted_onnx(model_file: Path, cache_root: Path) -> tuple[Path, str]:
     from .util import sha256_file
 
     params = paddle_files(model_file)
-    key = hashlib.sha256(f"{sha256_file(model_file)}{sha256_file(params)}{OPSET}".encode()).hexdigest()[:24]
+    key = hashlib.sha256(f"{sha256_file(model_file)}{sha256_file(params)}{sha256_file(Path(__file__))}".encode()).hexdigest()[:24]
     final = cache_root / key
     if not (final / "model.onnx").is_file():
         cache_root.mkdir(parents=True, exist_ok=True)

@@ -4,8 +4,9 @@ They are built as they are, with their own scales, never recalibrated. What Tens
 - DequantizeLinear of a constant TensorRT cannot read (int32 bias, uint8/int8 with another zero point, 16-bit) is
   folded into a float constant (exact: it is what ONNX Runtime computes);
 - a uint8 Q/DQ pair with zero point 128 becomes int8 with zero point 0: the same values, exactly;
-- any other activation pair (uint8 asymmetric, int8 with a zero point) runs in higher precision: the pair is removed
-  and the weights of the layers it fed are dequantized, so those layers run in float;
+- any other activation pair (uint8 asymmetric, int8 with a zero point) runs in higher precision: the pair becomes a
+  float Clip to the range it could hold (quantizers fold a Relu into a uint8 pair with zero point 0); int8 weights of
+  the layers it feeds stay int8 (weight-only, exactly the model's weights);
 - dynamic quantization (DynamicQuantizeLinear, ConvInteger, MatMulInteger) runs natively in ONNX Runtime (the
   partition stage places it), or with model.dequantize_dynamic=true is dequantized: MatMulInteger/ConvInteger
   become float MatMul/Conv on the dequantized weights.
@@ -16,11 +17,10 @@ from collections import Counter
 
 import numpy as np
 import onnx
-from onnx import TensorProto, numpy_helper
+from onnx import numpy_helper
 
 QDQ = ("QuantizeLinear", "DequantizeLinear")
 DYNAMIC_OPS = ("DynamicQuantizeLinear", "ConvInteger", "MatMulInteger")
-TRT_CONST_TYPES = (TensorProto.INT8, TensorProto.FLOAT8E4M3FN)  # DQ inputs TensorRT reads (zero point 0)
 LAYERS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
 
 
@@ -43,7 +43,7 @@ def trt_from_prequantized(model: onnx.ModelProto, dequantize_dynamic: bool = Fal
     """Convert a pre-quantized graph into one TensorRT takes, keeping the model's scales. Returns (model, stats)."""
     g = model.graph
     inits = {i.name: i for i in g.initializer}
-    stats = {"folded_constants": 0, "int8_from_uint8": 0, "kept_int8": 0, "high_precision_pairs": 0,
+    stats = {"folded_constants": 0, "int8_from_uint8": 0, "kept_pairs": 0, "high_precision_pairs": 0,
              "dequantized_dynamic": 0}
     producers = {o: n for n in g.node for o in n.output}
 
@@ -56,10 +56,10 @@ def trt_from_prequantized(model: onnx.ModelProto, dequantize_dynamic: bool = Fal
             continue
         zp = _zero_point(q, inits)
         if id(q) in converted:
-            dq.input[2] = converted[id(q)]
+            dq.input[:] = [dq.input[0], dq.input[1], converted[id(q)]]
             stats["int8_from_uint8"] += 1
         elif zp is not None and (_is_fp8(zp) or (zp.dtype == np.int8 and not zp.any())):
-            stats["kept_int8"] += 1
+            stats["kept_pairs"] += 1
         elif zp is not None and zp.dtype == np.uint8 and (zp == 128).all() and _same_params(q, dq):
             name = _unique(q.input[2] + "_int8", inits)
             inits[name] = numpy_helper.from_array(np.zeros(zp.shape, np.int8), name)
@@ -127,17 +127,24 @@ def _same_params(q, dq) -> bool:
 
 
 def _dequantize(dq, inits) -> np.ndarray:
-    """What DequantizeLinear computes on a constant: (x - zero_point) * scale, per axis when the scale is a vector."""
-    x = numpy_helper.to_array(inits[dq.input[0]]).astype(np.float64)
-    scale = numpy_helper.to_array(inits[dq.input[1]]).astype(np.float64)
+    """What DequantizeLinear computes on a constant, as ONNX Runtime does: float32(x - zero_point) * scale, per axis
+    when the scale is a vector, per block with block_size."""
+    x = numpy_helper.to_array(inits[dq.input[0]])
+    scale = numpy_helper.to_array(inits[dq.input[1]]).astype(np.float32)
     zp = _zero_point(dq, inits)
-    zp = np.zeros_like(scale) if zp is None else zp.astype(np.float64)
-    if scale.ndim == 1 and x.ndim > 1:
-        axis = next((a.i for a in dq.attribute if a.name == "axis"), 1) % x.ndim
+    zp = np.zeros(scale.shape, np.int64) if zp is None or _is_fp8(zp) else zp.astype(np.int64)
+    attrs = {a.name: a.i for a in dq.attribute}
+    if attrs.get("block_size"):  # blocked quantization (opset 21): scale and zero point repeat along the axis
+        axis, block = attrs.get("axis", 1) % x.ndim, attrs["block_size"]
+        scale, zp = (np.repeat(a, block, axis=axis).take(range(x.shape[axis]), axis=axis) for a in (scale, zp))
+    elif scale.ndim == 1 and x.ndim > 1:
+        axis = attrs.get("axis", 1) % x.ndim
         shape = [1] * x.ndim
         shape[axis] = -1
         scale, zp = scale.reshape(shape), zp.reshape(shape)
-    return ((x - zp) * scale).astype(np.float32)
+    if _is_fp8(x):
+        return x.astype(np.float32) * scale
+    return (x.astype(np.int64) - zp).astype(np.float32) * scale
 
 
 def _float_fed_nodes(g, inits, dropped: set[str]) -> set[int]:

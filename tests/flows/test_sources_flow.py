@@ -5,43 +5,24 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
-import onnx
 import pytest
 
-from tests.conftest import make_conv_model
 from tests.flows.test_build_flow import build
 from tests.tasks.test_paddle import tiny_paddle_json  # noqa: F401  (session fixture)
+from tests.tasks.test_prequant import quantized_models  # noqa: F401  (session fixture)
 
 PROFILE = "profiles:\n  - {name}: {{min: [1, 3, {h}, {h}], opt: [2, 3, {h}, {h}], max: [8, 3, {h}, {h}]}}\n"
 
 
-class _Reader:
-    def __init__(self, n: int = 4):
-        self.it = iter([{"x": np.random.default_rng(i).standard_normal((1, 3, 16, 16)).astype(np.float32)} for i in range(n)])
-
-    def get_next(self):
-        return next(self.it, None)
-
-
 @pytest.fixture(scope="module")
-def sources_dir(tmp_path_factory, tiny_paddle_json):  # noqa: F811
+def sources_dir(tmp_path_factory, tiny_paddle_json, quantized_models):  # noqa: F811
     """A user's config dir: the Paddle 3 model, and the tiny conv model quantized three ways by ONNX Runtime."""
-    from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
-
     d = tmp_path_factory.mktemp("sources")
-    f32 = make_conv_model(d / "f32.onnx")
-    quantize_static(str(f32), str(d / "static_u8.onnx"), _Reader(), quant_format=QuantFormat.QDQ,
-                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)  # asymmetric, int32 bias
-    quantize_static(str(f32), str(d / "static_u8sym.onnx"), _Reader(), quant_format=QuantFormat.QDQ,
-                    activation_type=QuantType.QUInt8, weight_type=QuantType.QUInt8,
-                    extra_options={"ActivationSymmetric": True, "WeightSymmetric": True})  # zero point 128
-    quantize_dynamic(str(f32), str(d / "dynamic.onnx"), weight_type=QuantType.QUInt8)
     (d / "model").mkdir()
     (d / "model" / "paddle_tiny.yaml").write_text(
         f"name: paddle_tiny\nformat: paddle\nsource: {tiny_paddle_json}\n" + PROFILE.format(name="image", h=16))
     for name in ("static_u8", "static_u8sym", "dynamic"):
-        (d / "model" / f"{name}.yaml").write_text(f"name: {name}\nformat: onnx\nsource: {d / name}.onnx\n"
+        (d / "model" / f"{name}.yaml").write_text(f"name: {name}\nformat: onnx\nsource: {quantized_models[name]}\n"
                                                   + PROFILE.format(name="x", h=16))
     return d
 
@@ -51,7 +32,7 @@ def stages(s) -> dict:
 
 
 def test_paddle3_model_builds_with_a_dynamic_batch(prefect_harness, sources_dir, tmp_path):
-    s = build(["model=paddle_tiny", "precision=fp32"], sources_dir, tmp_path)
+    s = build(["model=paddle_tiny", "precision=fp32", "stages.benchmark=false"], sources_dir, tmp_path)
     assert s["status"] == "ok", s.get("error")
     cfg = (Path(s["out_dir"]) / "config.yaml").read_text()
     assert "format: paddle" in cfg
@@ -59,52 +40,19 @@ def test_paddle3_model_builds_with_a_dynamic_batch(prefect_harness, sources_dir,
 
 
 def test_static_uint8_model_builds_as_is_without_calibration(prefect_harness, sources_dir, tmp_path):
-    s = build(["model=static_u8", "precision=int8"], sources_dir, tmp_path)
+    s = build(["model=static_u8", "precision=int8", "stages.benchmark=false"], sources_dir, tmp_path)
     assert s["status"] == "ok", s.get("error")
     assert stages(s)["calibrate"] == "skipped"
     assert s["stages"]["calibrate"]["reason"] == "the model is already quantized (6 Q/DQ pairs)"
+    assert s["stages"]["validate"]["reference"] == "the model as shipped"
     assert s["engine"]["file"].endswith(".int8.engine")
     # validated against the model as shipped (ONNX Runtime): the asymmetric pairs run in float, clamped to their range
     v = json.loads((Path(s["out_dir"]) / "validation.json").read_text())
     assert s["metrics"]["cosine_min"] > 0.999, v
 
 
-@pytest.fixture(scope="module")
-def converted(sources_dir):
-    from tasks.prequant import trt_from_prequantized
-
-    return {n: trt_from_prequantized(onnx.load(str(sources_dir / f"{n}.onnx")))
-            for n in ("static_u8", "static_u8sym", "dynamic")}
-
-
-def test_what_tensorrt_cannot_take_is_converted_and_the_scales_are_kept(converted, sources_dir):
-    import onnxruntime as ort
-
-    for name, (m, stats) in converted.items():
-        g = m.graph
-        inits = {i.name: i for i in g.initializer}
-        for n in g.node:
-            if n.op_type in ("QuantizeLinear", "DequantizeLinear"):
-                zp = inits[n.input[2]]
-                assert zp.data_type == onnx.TensorProto.INT8 and not onnx.numpy_helper.to_array(zp).any(), (name, n.name)
-                if n.input[0] in inits:
-                    assert inits[n.input[0]].data_type == onnx.TensorProto.INT8  # no int32 bias DQ is left
-    m, stats = converted["static_u8sym"]
-    assert stats["int8_from_uint8"] == 6 and stats["high_precision_pairs"] == 0 and stats["quantized_layers"] == 2
-    shipped = onnx.load(str(sources_dir / "static_u8sym.onnx"))
-    scales = {i.name: onnx.numpy_helper.to_array(i) for i in shipped.graph.initializer if i.name.endswith("_scale")}
-    ours = {i.name: onnx.numpy_helper.to_array(i) for i in m.graph.initializer}
-    kept = [k for k in scales if k in ours]  # all but the int32 bias's, folded into a float bias
-    assert len(kept) == len(scales) - 1 and all(np.array_equal(ours[k], scales[k]) for k in kept)  # the model's scales
-    x = np.random.default_rng(3).standard_normal((2, 3, 16, 16)).astype(np.float32)
-    a = ort.InferenceSession(shipped.SerializeToString()).run(None, {"x": x})[0]
-    b = ort.InferenceSession(m.SerializeToString()).run(None, {"x": x})[0]
-    assert np.array_equal(a, b)  # uint8 with zero point 128 is int8 with zero point 0: exactly
-    assert converted["static_u8"][1]["high_precision_pairs"] == 3  # zero point != 128: float, clamped
-
-
 def test_symmetric_uint8_model_builds_an_int8_engine(prefect_harness, sources_dir, tmp_path):
-    s = build(["model=static_u8sym", "precision=int8"], sources_dir, tmp_path)
+    s = build(["model=static_u8sym", "precision=int8", "stages.benchmark=false"], sources_dir, tmp_path)
     assert s["status"] == "ok", s.get("error")
     assert "already quantized (7 Q/DQ pairs)" in s["stages"]["calibrate"]["reason"]
     assert s["metrics"]["quantized_layers"] == 2 and s["metrics"]["fallback_layers"] == 0
@@ -112,11 +60,11 @@ def test_symmetric_uint8_model_builds_an_int8_engine(prefect_harness, sources_di
 
 
 def test_dynamic_quantization_runs_natively_or_in_float_on_request(prefect_harness, sources_dir, tmp_path):
-    native = build(["model=dynamic", "precision=int8"], sources_dir, tmp_path / "native")
+    native = build(["model=dynamic", "precision=int8", "stages.benchmark=false"], sources_dir, tmp_path / "native")
     assert native["status"] == "ok", native.get("error")
     assert "4 dynamic quantization ops" in native["stages"]["calibrate"]["reason"]
     assert native["metrics"]["fallback_nodes"] >= 4  # DynamicQuantizeLinear and ConvInteger run in ONNX Runtime
-    fl = build(["model=dynamic", "precision=int8", "model.dequantize_dynamic=true"], sources_dir, tmp_path / "float")
+    fl = build(["model=dynamic", "precision=int8", "stages.benchmark=false", "model.dequantize_dynamic=true"], sources_dir, tmp_path / "float")
     assert fl["status"] == "ok", fl.get("error")
     assert fl["metrics"]["fallback_nodes"] == 0 and fl["metrics"]["trt_subgraphs"] == 1
     assert fl["metrics"]["cosine_min"] > 0.999  # float weights vs the shipped dynamic quantization
