@@ -219,15 +219,15 @@ def _build_engines(ctx: BuildContext) -> StageResult:
 
     t = ctx.cfg.target
     # a model that carries its own quantization is built as it is (its Q/DQ in int8, the rest fp32)
-    precision = ctx.cfg.precision.baseline if not prequantized(ctx) else "fp32"
+    precision, label = ("fp32", ctx.cfg.precision.name) if prequantized(ctx) else (ctx.cfg.precision.baseline,) * 2
     segs = trt_segments(ctx)
-    parts = {"segments": [(sha256_file(s["onnx"]), s["profiles"]) for s in segs], "precision": precision,
+    parts = {"segments": [(sha256_file(s["onnx"]), s["profiles"]) for s in segs], "precision": precision, "label": label,
              "build": ctx.c("build"), "backend": ctx.backend.version, "compute_capability": t.compute_capability}
 
     def work(d: Path) -> StageResult:
         files, metrics, details = {}, {"build_seconds": 0.0, "engine_bytes": 0, "convert_seconds": 0.0}, {"engines": []}
         for s in segs:
-            stem = f"{ctx.cfg.model.name}.{t.name}.{ctx.cfg.precision.name if prequantized(ctx) else precision}{s['name']}"
+            stem = f"{ctx.cfg.model.name}.{t.name}.{label}{s['name']}"
             conv = onnx_at_precision(s["onnx"], precision, d / f"{stem}.onnx")
             eng = engine_from_onnx(conv.files["onnx"], d / f"{stem}.engine", s["profiles"], t.compute_capability,
                                    ctx.c("build"), ctx.backend, show_progress=ctx.show_progress)
