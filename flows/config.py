@@ -191,7 +191,11 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> dict[str, Any]:
         inputs, outputs = graph_io(model)
         from tasks.prequant import quantization_of
         q = quantization_of(model)
-        facts["prequantized"] = q if q["qdq"] or q["dynamic"] else None  # not recalibrated: needs no calibration data
+<<<<<<< HEAD
+=======
+        facts["prequantized"] = q if any(q.values()) else None  # not recalibrated: needs no calibration data
+        del model
+>>>>>>> 55bb82e (Pre-quantized: QLinearConv/QLinearMatMul (QOperator format) rewritten to DQ -> Conv/MatMul -> Q with the model's scales (tiny QOperator model: cosine 0.99991 to the shipped model, builds an int8 engine); README)
     else:
         if not m.factory:
             raise ConfigError("model.factory is not set for format=torch", fix="set model.factory=module.path:callable")

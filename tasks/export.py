@@ -59,7 +59,7 @@ def onnx_from_model(model_cfg: Any, profiles: list[dict], out_path: Path, search
     from .prequant import quantization_of, trt_from_prequantized
 
     quant = quantization_of(model)
-    if quant["qdq"] or quant["dynamic"]:  # the model as shipped is the reference; TensorRT gets what it can take
+    if any(quant.values()):  # the model as shipped is the reference; TensorRT gets what it can take
         files["reference"] = out_path.with_name("shipped.onnx")
         save_onnx(model, files["reference"])
         model, stats = trt_from_prequantized(model, bool(model_cfg.get("dequantize_dynamic")))

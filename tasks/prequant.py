@@ -7,6 +7,8 @@ They are built as they are, with their own scales, never recalibrated. What Tens
 - any other activation pair (uint8 asymmetric, int8 with a zero point) runs in higher precision: the pair becomes a
   float Clip to the range it could hold (quantizers fold a Relu into a uint8 pair with zero point 0); int8 weights of
   the layers it feeds stay int8 (weight-only, exactly the model's weights);
+- QLinearConv / QLinearMatMul (QOperator format) are rewritten as DequantizeLinear -> Conv/MatMul -> QuantizeLinear
+  with the same scales, then treated as above;
 - dynamic quantization (DynamicQuantizeLinear, ConvInteger, MatMulInteger) runs natively in ONNX Runtime (the
   partition stage places it), or with model.dequantize_dynamic=true is dequantized: MatMulInteger/ConvInteger
   become float MatMul/Conv on the dequantized weights.
@@ -25,9 +27,11 @@ LAYERS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
 
 
 def quantization_of(model: onnx.ModelProto) -> dict:
-    """What quantization a model carries: {"qdq": DequantizeLinear count, "dynamic": dynamic quantization ops}."""
+    """What quantization a model carries: {"qdq": DequantizeLinear count, "dynamic": dynamic quantization ops,
+    "qlinear": QLinearConv/QLinearMatMul (ONNX Runtime's QOperator format)}."""
     ops = Counter(n.op_type for n in model.graph.node)
-    return {"qdq": ops["DequantizeLinear"], "dynamic": sum(ops[o] for o in DYNAMIC_OPS)}
+    return {"qdq": ops["DequantizeLinear"], "dynamic": sum(ops[o] for o in DYNAMIC_OPS),
+            "qlinear": ops["QLinearConv"] + ops["QLinearMatMul"]}
 
 
 def describe(q: dict) -> str:
@@ -36,6 +40,8 @@ def describe(q: dict) -> str:
         parts.append(f"{q['qdq']} Q/DQ pairs")
     if q.get("dynamic"):
         parts.append(f"{q['dynamic']} dynamic quantization ops")
+    if q.get("qlinear"):
+        parts.append(f"{q['qlinear']} QLinearConv/QLinearMatMul")
     return ", ".join(parts)
 
 
@@ -45,6 +51,7 @@ def trt_from_prequantized(model: onnx.ModelProto, dequantize_dynamic: bool = Fal
     inits = {i.name: i for i in g.initializer}
     stats = {"folded_constants": 0, "int8_from_uint8": 0, "kept_pairs": 0, "high_precision_pairs": 0,
              "dequantized_dynamic": 0}
+    stats["qlinear_rewritten"] = _qdq_from_qlinear(model, inits)
     producers = {o: n for n in g.node for o in n.output}
 
     # activation pairs: Q -> DQ on a tensor computed at run time
@@ -109,6 +116,43 @@ def trt_from_prequantized(model: onnx.ModelProto, dequantize_dynamic: bool = Fal
     except Exception:  # a help for later passes, not a requirement
         pass
     return model, stats
+
+
+def _qdq_from_qlinear(model, inits) -> int:
+    """QLinearConv / QLinearMatMul (ONNX Runtime's QOperator format) -> DequantizeLinear on input and weight, the float
+    op (the int32 bias scaled into a float bias), QuantizeLinear on the output: the Q/DQ form TensorRT reads, same scales."""
+    g = model.graph
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    count = 0
+    for node in [n for n in g.node if n.op_type in ("QLinearConv", "QLinearMatMul")]:
+        x, xs, xz, w, ws, wz, ys, yz = node.input[:8]
+        w_scale = numpy_helper.to_array(inits[ws]) if ws in inits else None
+        if w_scale is None or (w_scale.size > 1 and opset < 13):  # per-axis DequantizeLinear needs opset 13
+            continue
+        conv = node.op_type == "QLinearConv"
+        p = node.name or node.output[0]
+        axis = {"axis": 0 if conv else 1} if w_scale.size > 1 else {}
+        nodes = [onnx.helper.make_node("DequantizeLinear", [x, xs, xz], [f"{p}_x_dq"], name=f"{p}_x_dq"),
+                 onnx.helper.make_node("DequantizeLinear", [w, ws, wz], [f"{p}_w_dq"], name=f"{p}_w_dq", **axis)]
+        ins = [f"{p}_x_dq", f"{p}_w_dq"]
+        if conv and len(node.input) > 8 and node.input[8]:
+            if node.input[8] not in inits or xs not in inits:
+                continue
+            bias = numpy_helper.to_array(inits[node.input[8]]).astype(np.float32) * \
+                (numpy_helper.to_array(inits[xs]).astype(np.float32) * w_scale.astype(np.float32)).reshape(-1)
+            name = _unique(f"{p}_bias_float", inits)
+            inits[name] = numpy_helper.from_array(bias.astype(np.float32), name)
+            g.initializer.append(inits[name])
+            ins.append(name)
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        nodes += [onnx.helper.make_node("Conv" if conv else "MatMul", ins, [f"{p}_float"], name=f"{p}_float", **attrs),
+                  onnx.helper.make_node("QuantizeLinear", [f"{p}_float", ys, yz], [node.output[0]], name=f"{p}_q")]
+        at = list(g.node).index(node)
+        g.node.remove(node)
+        for i, n in enumerate(nodes):
+            g.node.insert(at + i, n)
+        count += 1
+    return count
 
 
 def _zero_point(node, inits) -> np.ndarray | None:

@@ -35,7 +35,10 @@ def quantized_models(session_tmp) -> dict[str, Path]:
                     activation_type=QuantType.QUInt8, weight_type=QuantType.QUInt8,
                     extra_options={"ActivationSymmetric": True, "WeightSymmetric": True})  # zero point 128
     quantize_dynamic(str(f32), str(d / "dynamic.onnx"), weight_type=QuantType.QUInt8)
-    return {n: d / f"{n}.onnx" for n in ("static_u8", "static_u8sym", "dynamic")}
+    quantize_static(str(f32), str(d / "qoperator.onnx"), _Reader(), quant_format=QuantFormat.QOperator,
+                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=True,
+                    extra_options={"ActivationSymmetric": True})  # QLinearConv, per-channel int8 weights
+    return {n: d / f"{n}.onnx" for n in ("static_u8", "static_u8sym", "dynamic", "qoperator")}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +46,7 @@ def converted(quantized_models):
     from tasks.prequant import trt_from_prequantized
 
     return {n: trt_from_prequantized(onnx.load(str(quantized_models[n])))
-            for n in ("static_u8", "static_u8sym", "dynamic")}
+            for n in ("static_u8", "static_u8sym", "dynamic", "qoperator")}
 
 
 def test_what_tensorrt_cannot_take_is_converted_and_the_scales_are_kept(converted, quantized_models):
@@ -70,12 +73,19 @@ def test_what_tensorrt_cannot_take_is_converted_and_the_scales_are_kept(converte
     b = ort.InferenceSession(m.SerializeToString()).run(None, {"x": x})[0]
     assert np.array_equal(a, b)  # uint8 with zero point 128 is int8 with zero point 0: exactly
     assert converted["static_u8"][1]["high_precision_pairs"] == 3  # zero point != 128: float, clamped
+    m, stats = converted["qoperator"]  # QLinearConv -> DQ, Conv, Q with the same scales, then as above
+    assert stats["qlinear_rewritten"] == 2 and stats["quantized_layers"] == 2 and stats["high_precision_pairs"] == 0
+    shipped = onnx.load(str(quantized_models["qoperator"]))
+    a = ort.InferenceSession(shipped.SerializeToString()).run(None, {"x": x})[0]
+    b = ort.InferenceSession(m.SerializeToString()).run(None, {"x": x})[0]
+    assert float((a * b).sum() / np.linalg.norm(a) / np.linalg.norm(b)) > 0.9999  # int32 vs float accumulation
 
 
 def test_quantization_is_detected(quantized_models, tiny_onnx):
-    assert quantization_of(onnx.load(str(quantized_models["static_u8"]))) == {"qdq": 6, "dynamic": 0}
-    assert quantization_of(onnx.load(str(quantized_models["dynamic"]))) == {"qdq": 0, "dynamic": 4}
-    assert quantization_of(onnx.load(str(tiny_onnx))) == {"qdq": 0, "dynamic": 0}
+    assert quantization_of(onnx.load(str(quantized_models["static_u8"]))) == {"qdq": 6, "dynamic": 0, "qlinear": 0}
+    assert quantization_of(onnx.load(str(quantized_models["dynamic"]))) == {"qdq": 0, "dynamic": 4, "qlinear": 0}
+    assert quantization_of(onnx.load(str(quantized_models["qoperator"])))["qlinear"] == 2
+    assert quantization_of(onnx.load(str(tiny_onnx))) == {"qdq": 0, "dynamic": 0, "qlinear": 0}
 
 
 @pytest.mark.parametrize("attrs,scale_shape", [({"axis": 0}, (2,)), ({"axis": 1, "block_size": 4}, (2, 2)), ({}, ())])
@@ -95,7 +105,8 @@ def test_folded_constants_are_what_onnx_runtime_dequantizes(attrs, scale_shape):
     assert np.array_equal(ref, _dequantize(dq, inits))
 
 
-@pytest.mark.parametrize("name,dequantize", [("static_u8", False), ("static_u8sym", False), ("dynamic", True)])
+@pytest.mark.parametrize("name,dequantize", [("static_u8", False), ("static_u8sym", False), ("dynamic", True),
+                                             ("qoperator", False)])
 def test_converted_graphs_build_tensorrt_engines(converted, quantized_models, name, dequantize, tmp_path):
     from tasks.backend import Backend
     from tasks.build import engine_from_onnx
