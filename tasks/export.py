@@ -21,8 +21,10 @@ def source_fingerprint(model_cfg: Any, search: list[Path] | None = None) -> dict
         path = resolve_source(model_cfg["source"], search=search)
         return {"source_sha256": sha256_file(path)}
     if model_cfg["format"] == "paddle":
+        from .paddle import paddle_files
+
         path = resolve_source(model_cfg["source"], search=search)
-        return {"source_sha256": sha256_file(path), "params_sha256": sha256_file(path.with_suffix(".pdiparams"))}
+        return {"source_sha256": sha256_file(path), "params_sha256": sha256_file(paddle_files(path))}
     module_name = str(model_cfg["factory"]).partition(":")[0]
     _add_import_paths(search)
     try:
