@@ -191,11 +191,7 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> dict[str, Any]:
         inputs, outputs = graph_io(model)
         from tasks.prequant import quantization_of
         q = quantization_of(model)
-<<<<<<< HEAD
-=======
         facts["prequantized"] = q if any(q.values()) else None  # not recalibrated: needs no calibration data
-        del model
->>>>>>> 55bb82e (Pre-quantized: QLinearConv/QLinearMatMul (QOperator format) rewritten to DQ -> Conv/MatMul -> Q with the model's scales (tiny QOperator model: cosine 0.99991 to the shipped model, builds an int8 engine); README)
     else:
         if not m.factory:
             raise ConfigError("model.factory is not set for format=torch", fix="set model.factory=module.path:callable")
@@ -217,7 +213,6 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> dict[str, Any]:
                           fix=f"use one of {[i.name for i in inputs]}")
     profiles = check_profiles(OmegaConf.to_container(m.profiles), inputs)
     rules = shape_rules(inputs, profiles, model, OmegaConf.to_container(m.shape_multiple))
-    del model
     facts.update(inputs=inputs, outputs=outputs, profiles=profiles, search=search, shape_rules=rules)
     from tasks.inputs import load_data
     for key in ("calibration.data", "validation.data"):
