@@ -14,7 +14,14 @@ export MLFLOW_DISABLE_TELEMETRY ?= true
 export DO_NOT_TRACK ?= true
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
-.PHONY: build test ui rebuild serve setup clean zoo
+.PHONY: build test ui rebuild serve setup paddle clean zoo
+
+# Paddle inference models (format: paddle) need the converters: paddlepaddle 3.2.2 with paddle2onnx 2.1.0 for Paddle 3
+# `.json` programs, paddle2onnx 1.3.1 (no paddle needed) for legacy `.pdmodel`. Both paddle2onnx releases pin an older
+# onnx than ours (output is byte-identical with ours), so they go in with --no-deps; 1.3.1 in a folder of its own.
+PADDLE_STAMP := $(VENV)/.paddle
+# `make build MODEL=x` installs them when conf/model/x.yaml is a Paddle model
+PADDLE_MODEL = $(if $(MODEL),$(shell grep -ls '^format: *paddle' conf/model/$(MODEL).yaml 2>/dev/null))
 
 # (Re)install when pyproject.toml changes.
 $(STAMP): pyproject.toml
@@ -23,12 +30,20 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test,torch]'
 	@touch $(STAMP)
 
+$(PADDLE_STAMP): $(STAMP) Makefile
+	$(PY) -m pip install -q -e '.[test,torch,paddle]'
+	$(PY) -m pip install -q --no-deps paddle2onnx==2.1.0
+	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/paddle2onnx-1.3.1 paddle2onnx==1.3.1
+	@touch $(PADDLE_STAMP)
+
 setup: $(STAMP)
 
-build: $(STAMP)
+paddle: $(PADDLE_STAMP)
+
+build: $(STAMP) $(if $(PADDLE_MODEL),$(PADDLE_STAMP))
 	$(PY) -m flows.build target=$(TARGET) $(if $(MODEL),model=$(MODEL)) $(if $(PRECISION),precision=$(PRECISION)) $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(PADDLE_STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # one pass of the scheduled rebuild; `make rebuild rebuild_out=r.json`

@@ -93,7 +93,8 @@ def print_summary(summary: dict, seconds: float) -> None:
         c.print(f"  engine   {summary['out_dir']}/{e['file']}  ({e['bytes'] / 1e6:.1f} MB, sha256 {e['sha256'][:16]}…)")
     m = summary["metrics"]
     if "cosine_min" in m:
-        c.print(f"  accuracy cosine_min {m['cosine_min']:.6f} vs fp32, measured by {accuracy_source(summary)}", markup=False)
+        c.print(f"  accuracy cosine_min {m['cosine_min']:.6f} vs {summary['stages']['validate'].get('reference', 'fp32')}, "
+                f"measured by {accuracy_source(summary)}", markup=False)
     c.print(f"  summary  {summary['out_dir']}/summary.json")
     run = summary.get("mlflow") or {}
     if run:

@@ -154,8 +154,8 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> dict[str, Any]:
     if _cc(t.compute_capability) < _cc(p.min_compute_capability):
         raise ConfigError(f"precision={p.name} needs compute capability {p.min_compute_capability} or newer; target={t.name} is "
                           f"{t.compute_capability}", fix="use target=sm_89 or newer, or precision=int8/fp16")
-    if m.format not in ("onnx", "torch"):
-        raise ConfigError(f"model.format={m.format!r} is not supported", fix="use onnx or torch")
+    if m.format not in ("onnx", "torch", "paddle"):
+        raise ConfigError(f"model.format={m.format!r} is not supported", fix="use onnx, torch or paddle")
     cal = cfg.calibration
     if cal.method not in ("entropy", "minmax", "percentile"):
         raise ConfigError(f"calibration.method={cal.method!r} is unknown", fix="use entropy, minmax or percentile")
@@ -163,9 +163,6 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> dict[str, Any]:
         raise ConfigError(f"calibration.budget_margin={cal.budget_margin} is outside [0, 1)", fix="e.g. 0.25")
     if cal.samples < 1:
         raise ConfigError(f"calibration.samples={cal.samples} must be at least 1", fix="e.g. calibration.samples=32")
-    if p.quantized and not cal.data and m.images is None:
-        raise ConfigError(f"precision={p.name} needs calibration data: calibration.data is not set and model {m.name} has no images recipe",
-                          fix="set calibration.data=path/to/samples.npz (or a folder of .npz/.npy, one array per input name)")
     if not -1.0 <= cfg.accuracy.min_cosine <= 1.0:
         raise ConfigError(f"accuracy.min_cosine={cfg.accuracy.min_cosine} is outside [-1, 1]", fix="e.g. accuracy.min_cosine=0.99")
     if cfg.partition.min_subgraph_size < 1:
@@ -184,10 +181,17 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> dict[str, Any]:
     facts: dict[str, Any] = {}
     backend = backend_for_target(t.name, t.backend, t.compute_capability, t.architecture, t.note)
     facts["backend"] = backend
-    if m.format == "onnx":
+    if m.format in ("onnx", "paddle"):
         src = resolve_source(m.source, search=search)
+        if m.format == "paddle":  # converted once here (content-addressed); export reuses the conversion
+            from flows.stages import paddle_cache
+            from tasks.paddle import converted_onnx
+            src = converted_onnx(src, paddle_cache(cfg))[0]
         model = load_onnx(src)
         inputs, outputs = graph_io(model)
+        from tasks.prequant import quantization_of
+        q = quantization_of(model)
+        facts["prequantized"] = q if any(q.values()) else None  # not recalibrated: needs no calibration data
     else:
         if not m.factory:
             raise ConfigError("model.factory is not set for format=torch", fix="set model.factory=module.path:callable")
@@ -201,12 +205,14 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> dict[str, Any]:
                   for n, s in m.inputs.items()]
         outputs = []
         model = None
+    if p.quantized and not cal.data and m.images is None and not facts.get("prequantized"):
+        raise ConfigError(f"precision={p.name} needs calibration data: calibration.data is not set and model {m.name} has no images recipe",
+                          fix="set calibration.data=path/to/samples.npz (or a folder of .npz/.npy, one array per input name)")
     if m.images is not None and m.images.input not in [i.name for i in inputs]:
         raise ConfigError(f"model.images.input={m.images.input!r} is not an input of the model",
                           fix=f"use one of {[i.name for i in inputs]}")
     profiles = check_profiles(OmegaConf.to_container(m.profiles), inputs)
     rules = shape_rules(inputs, profiles, model, OmegaConf.to_container(m.shape_multiple))
-    del model
     facts.update(inputs=inputs, outputs=outputs, profiles=profiles, search=search, shape_rules=rules)
     from tasks.inputs import load_data
     for key in ("calibration.data", "validation.data"):

@@ -131,15 +131,21 @@ def file_hash(result: StageResult, name: str) -> str:
 
 # --- the six stages ------------------------------------------------------------------------------------------
 
+def paddle_cache(cfg: DictConfig) -> Path:
+    """Where Paddle conversions are kept (preflight reads the model's inputs from them; export reuses them)."""
+    return Path(cfg.cache_dir) / "paddle"
+
+
 def export(ctx: BuildContext) -> StageResult:
     from tasks.export import onnx_from_model, source_fingerprint
 
     m = ctx.c("model")
     parts = {"source": source_fingerprint(m, ctx.facts["search"]), "format": m["format"], "factory": m["factory"],
-             "inputs": m["inputs"], "opset": m["opset"], "profiles": ctx.facts["profiles"] if m["format"] == "torch" else None}
+             "inputs": m["inputs"], "opset": m["opset"], "profiles": ctx.facts["profiles"] if m["format"] == "torch" else None,
+             "dequantize_dynamic": m["dequantize_dynamic"]}
 
     def work(d: Path) -> StageResult:
-        r = onnx_from_model(m, ctx.facts["profiles"], d / "model.onnx", ctx.facts["search"])
+        r = onnx_from_model(m, ctx.facts["profiles"], d / "model.onnx", ctx.facts["search"], paddle_cache(ctx.cfg))
         r.details["onnx_sha256"] = sha256_file(r.files["onnx"])
         return r
 
@@ -209,6 +215,11 @@ def trt_segments(ctx: BuildContext) -> list[dict]:
              "name": f".sg{s['index']}"} for s in plan.details["segments"] if s["kind"] == "trt"]
 
 
+def prequantized(ctx: BuildContext) -> dict | None:
+    """The quantization a model arrived with (export found Q/DQ or dynamic quantization ops), else None."""
+    return ctx.results["export"].details.get("prequantized")
+
+
 def build(ctx: BuildContext) -> StageResult:
     """The baseline engine(s), one per TensorRT segment: fp32 or fp16 graph (int8/fp8: quantized ones in calibrate)."""
     from tasks.errors import StageError
@@ -224,16 +235,17 @@ def build(ctx: BuildContext) -> StageResult:
 def _build_engines(ctx: BuildContext) -> StageResult:
     from tasks.build import SHIPPED_METRICS, add_metrics, as_baseline, engine_from_onnx, onnx_at_precision
 
-    precision = ctx.cfg.precision.baseline
     t = ctx.cfg.target
+    # a model that carries its own quantization is built as it is (its Q/DQ in int8, the rest fp32)
+    precision, label = ("fp32", ctx.cfg.precision.name) if prequantized(ctx) else (ctx.cfg.precision.baseline,) * 2
     segs = trt_segments(ctx)
-    parts = {"segments": [(sha256_file(s["onnx"]), s["profiles"]) for s in segs], "precision": precision,
+    parts = {"segments": [(sha256_file(s["onnx"]), s["profiles"]) for s in segs], "precision": precision, "label": label,
              "build": ctx.c("build"), "backend": ctx.backend.version, "compute_capability": t.compute_capability}
 
     def work(d: Path) -> StageResult:
         files, metrics, details = {}, {}, {"engines": []}
         for s in segs:
-            stem = f"{ctx.cfg.model.name}.{t.name}.{precision}{s['name']}"
+            stem = f"{ctx.cfg.model.name}.{t.name}.{label}{s['name']}"
             conv = onnx_at_precision(s["onnx"], precision, d / f"{stem}.onnx")
             eng = engine_from_onnx(conv.files["onnx"], d / f"{stem}.engine", s["profiles"], t.compute_capability,
                                    ctx.c("build"), ctx.backend, show_progress=ctx.show_progress)
@@ -254,7 +266,7 @@ def _build_engines(ctx: BuildContext) -> StageResult:
 
 def builds_baseline(ctx: BuildContext) -> bool:
     """Whether build's engines are only the baseline on the way to calibrate's quantized ones (which ship)."""
-    return bool(ctx.cfg.precision.quantized)
+    return bool(ctx.cfg.precision.quantized) and not prequantized(ctx)
 
 
 def calibrate(ctx: BuildContext) -> StageResult | None:
@@ -262,6 +274,9 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
     p = ctx.cfg.precision
     if not p.quantized:
         raise Skip(f"precision {p.name} needs no calibration")
+    if prequantized(ctx):
+        from tasks.prequant import describe
+        raise Skip(f"the model is already quantized ({describe(prequantized(ctx))})")
     from tasks.build import SHIPPED_METRICS, add_metrics, engine_from_onnx
     from tasks.calibrate import qdq_from_onnx
     from tasks.segments import run_with_intermediates
@@ -481,13 +496,16 @@ def validate(ctx: BuildContext) -> StageResult:
     if not ctx.cfg.stages.validate:
         raise Skip("disabled (stages.validate=false)")
     ref = ctx.results["export"]
+    reference = ref.files.get("reference", ref.files["onnx"])  # a pre-quantized model: as shipped, in ONNX Runtime
+    reference_label = "the model as shipped" if "reference" in ref.files else "fp32"
+    ctx.stages.setdefault("validate", {})["reference"] = reference_label
     cand = deliverable(ctx)
     cc = ctx.cfg.target.compute_capability
     gpu = trt_backend.gpu_for(cc)
     engine_reason = None if (gpu and ctx.cfg.validation.engine) else (
         "disabled (validation.engine=false)" if not ctx.cfg.validation.engine else trt_backend.no_gpu_reason(cc))
     feeds, source, feed_key, record = _feeds(ctx, "validate")
-    parts = {"reference": file_hash(ref, "onnx"), "candidate": [sha256_file(o) for _, _, o in engines_of(cand)],
+    parts = {"reference": sha256_file(reference), "candidate": [sha256_file(o) for _, _, o in engines_of(cand)],
              "plan": sha256_file(ctx.results["partition"].files["partition"]), "feeds": feed_key,
              "min_cosine": ctx.cfg.accuracy.min_cosine,
              "engines": [sha256_file(e) for _, e, _ in engines_of(cand)] if engine_reason is None else None}
@@ -499,9 +517,9 @@ def validate(ctx: BuildContext) -> StageResult:
                 run_engine = candidate_runner(ctx, use_engines=True, runners=runners)
                 engine_outputs = [run_engine(f) for f in feeds]
         try:
-            return validate_onnx(ref.files["onnx"], candidate_runner(ctx, use_engines=False), feeds,
+            return validate_onnx(reference, candidate_runner(ctx, use_engines=False), feeds,
                                  ctx.cfg.accuracy.min_cosine, source, d / "validation.json", engine_outputs=engine_outputs,
-                                 engine_skip_reason=engine_reason, label=label,
+                                 engine_skip_reason=engine_reason, label=label, reference_label=reference_label,
                                  emulation=f"onnxruntime emulation of {ctx.cfg.precision.name}",
                                  engine_device=gpu and f"engine on {gpu.name} (sm {gpu.compute_capability})")
         except AccuracyError as e:  # the verdict is a result too: cache it, gate below
@@ -516,7 +534,7 @@ def validate(ctx: BuildContext) -> StageResult:
     r.details["data"] = record.as_dict()
     if not r.details["passed"]:
         worst = min(r.details["outputs"], key=lambda n: r.details["outputs"][n]["cosine"])
-        e = AccuracyError(f"output {worst!r} has cosine {r.metrics['cosine_min']:.6f} to fp32 "
+        e = AccuracyError(f"output {worst!r} has cosine {r.metrics['cosine_min']:.6f} to {reference_label} "
                           f"({r.metrics['cosine_source']}), below "
                           f"accuracy.min_cosine={ctx.cfg.accuracy.min_cosine}", stage="validate", file=label,
                           fix="use a higher precision, or lower accuracy.min_cosine if that loss is acceptable")

@@ -20,6 +20,11 @@ def source_fingerprint(model_cfg: Any, search: list[Path] | None = None) -> dict
     if model_cfg["format"] == "onnx":
         path = resolve_source(model_cfg["source"], search=search)
         return {"source_sha256": sha256_file(path)}
+    if model_cfg["format"] == "paddle":
+        from .paddle import paddle_files
+
+        path = resolve_source(model_cfg["source"], search=search)
+        return {"source_sha256": sha256_file(path), "params_sha256": sha256_file(paddle_files(path))}
     module_name = str(model_cfg["factory"]).partition(":")[0]
     _add_import_paths(search)
     try:
@@ -30,8 +35,9 @@ def source_fingerprint(model_cfg: Any, search: list[Path] | None = None) -> dict
     return {"factory": model_cfg["factory"], "module_sha256": sha256_file(origin) if origin and Path(origin).is_file() else None}
 
 
-def onnx_from_model(model_cfg: Any, profiles: list[dict], out_path: Path, search: list[Path] | None = None) -> StageResult:
-    """Export or pass through, then sanitize; writes out_path (fp32 ONNX)."""
+def onnx_from_model(model_cfg: Any, profiles: list[dict], out_path: Path, search: list[Path] | None = None,
+                    cache_root: Path | None = None) -> StageResult:
+    """Export or pass through, then sanitize; writes out_path (fp32 ONNX). `cache_root` keeps Paddle conversions."""
     out_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     if model_cfg["format"] == "onnx":
@@ -42,15 +48,33 @@ def onnx_from_model(model_cfg: Any, profiles: list[dict], out_path: Path, search
         raw = out_path.with_name("torch_export.onnx")
         how = onnx_from_torch(model_cfg, profiles, raw, search=search)
         model = load_onnx(raw, key="model.factory")
+    elif model_cfg["format"] == "paddle":
+        from .paddle import converted_onnx
+
+        src = resolve_source(model_cfg["source"], search=search)
+        raw, how = converted_onnx(src, cache_root or out_path.parent / "paddle")
+        model = load_onnx(raw)
     else:
-        raise ConfigError(f"model.format={model_cfg['format']!r} is not supported", fix="use onnx or torch")
+        raise ConfigError(f"model.format={model_cfg['format']!r} is not supported", fix="use onnx, torch or paddle")
     model, notes = sanitize(model)
+    files, metrics, details = {"onnx": out_path}, {}, {}
+    from .prequant import quantization_of, trt_from_prequantized
+
+    quant = quantization_of(model)
+    if any(quant.values()):  # the model as shipped is the reference; TensorRT gets what it can take
+        files["reference"] = out_path.with_name("shipped.onnx")
+        save_onnx(model, files["reference"])
+        model, stats = trt_from_prequantized(model, bool(model_cfg.get("dequantize_dynamic")))
+        details["prequantized"] = {**quant, **stats}
+        metrics.update(quantized_layers=stats["quantized_layers"], fallback_layers=stats["fallback_layers"])
     save_onnx(model, out_path)
     ins, outs = graph_io(model)
     return StageResult(
-        files={"onnx": out_path},
-        metrics={"export_nodes": len(model.graph.node), "opset": _opset(model), "export_seconds": time.perf_counter() - t0},
-        details={"how": how, "sanitize": notes, "inputs": [vars(t) for t in ins], "outputs": [vars(t) for t in outs]},
+        files=files,
+        metrics={"export_nodes": len(model.graph.node), "opset": _opset(model), "export_seconds": time.perf_counter() - t0,
+                 **metrics},
+        details={"how": how, "sanitize": notes, "inputs": [vars(t) for t in ins], "outputs": [vars(t) for t in outs],
+                 **details},
     )
 
 

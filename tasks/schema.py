@@ -44,8 +44,8 @@ class ImageRecipe:
 @dataclass
 class ModelConfig:
     name: str = MISSING
-    format: str = "onnx"  # onnx | torch
-    source: Optional[str] = None  # path or pkg://PACKAGE/REL/PATH (format onnx)
+    format: str = "onnx"  # onnx | torch | paddle
+    source: Optional[str] = None  # path or pkg://PACKAGE/REL/PATH (onnx: the .onnx; paddle: the .pdmodel or .json)
     factory: Optional[str] = None  # "module.path:callable" (format torch)
     inputs: Dict[str, TensorSpec] = field(default_factory=dict)  # torch: forward() args in order
     opset: int = 18  # torch export opset (the dynamo exporter's lowest)
@@ -53,6 +53,9 @@ class ModelConfig:
     # per input, per dim: drawn shapes are multiples of this (PP-OCR det needs H and W divisible by 32)
     shape_multiple: Dict[str, List[int]] = field(default_factory=dict)
     images: Optional[ImageRecipe] = None  # real-looking inputs for calibration/validation
+    # a model quantized dynamically (DynamicQuantizeLinear, ConvInteger, MatMulInteger): those parts run in ONNX Runtime,
+    # or with true become float MatMul/Conv on the dequantized weights (then TensorRT can take them)
+    dequantize_dynamic: bool = False
 
 
 @dataclass

@@ -101,7 +101,8 @@ def reference_outputs(ref_sess, feeds: list[dict[str, np.ndarray]]) -> tuple[lis
 def validate_onnx(reference: Path, candidate: Path | Callable, feeds: list[dict[str, np.ndarray]], min_cosine: float,
                   inputs_source: str, out_path: Path, engine_outputs: list[dict[str, np.ndarray]] | None = None,
                   engine_skip_reason: str | None = None, label: str | None = None,
-                  emulation: str = "onnxruntime emulation", engine_device: str | None = None) -> StageResult:
+                  emulation: str = "onnxruntime emulation", engine_device: str | None = None,
+                  reference_label: str = "fp32") -> StageResult:
     """Compare candidate (an ONNX file, or a callable such as a composed hybrid model) to the fp32 reference in
     ONNX Runtime on every feed; gate on min_cosine; write a JSON report.
 
@@ -139,7 +140,8 @@ def validate_onnx(reference: Path, candidate: Path | Callable, feeds: list[dict[
     else:
         engine = {"status": "skipped", "reason": engine_skip_reason or "engine execution not requested"}
     report = {
-        "inputs": inputs_source, "feeds": [{n: list(a.shape) for n, a in f.items()} for f in feeds],
+        "reference": reference_label, "inputs": inputs_source,
+        "feeds": [{n: list(a.shape) for n, a in f.items()} for f in feeds],
         "min_cosine": min_cosine, "cosine_min": cosine_min, "cosine_source": source, "outputs": worst,
         "emulation": {"source": emulation, "cosine_min": emulation_cosine_min, "outputs": emulation_outputs},
         "per_feed": per_feed,
@@ -157,7 +159,7 @@ def validate_onnx(reference: Path, candidate: Path | Callable, feeds: list[dict[
     if cosine_min < min_cosine:
         worst_name = min(worst, key=lambda n: worst[n]["cosine"])
         err = AccuracyError(
-            f"output {worst_name!r} has cosine {cosine_min:.6f} to fp32 ({source}), below accuracy.min_cosine={min_cosine}",
+            f"output {worst_name!r} has cosine {cosine_min:.6f} to {reference_label} ({source}), below accuracy.min_cosine={min_cosine}",
             stage="validate", file=label or (None if callable(candidate) else str(candidate)),
             fix="use a higher precision, or lower accuracy.min_cosine if that loss is acceptable")
         err.result = result
