@@ -14,7 +14,7 @@ export MLFLOW_DISABLE_TELEMETRY ?= true
 export DO_NOT_TRACK ?= true
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
-.PHONY: build test ui rebuild serve setup paddle clean zoo
+.PHONY: build test ui browser rebuild serve setup paddle clean zoo
 
 # Paddle inference models (format: paddle) need the converters: paddlepaddle 3.2.2 with paddle2onnx 2.1.0 for Paddle 3
 # `.json` programs, paddle2onnx 1.3.1 (no paddle needed) for legacy `.pdmodel`. Both paddle2onnx releases pin an older
@@ -60,8 +60,14 @@ zoo: $(STAMP)
 	$(PY) benchmarks/zoo.py $(ZOO_ARGS)
 
 ui: $(STAMP)
-	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(VENV)/bin/mlflow ui --workers 1 --host 127.0.0.1 --port $(PORT) \
-	  --backend-store-uri $${MLFLOW_TRACKING_URI:-sqlite:///$(CURDIR)/mlflow.db}
+	$(PY) -m flows.ui --port $(PORT)
+
+# Headless Chromium from Debian's packages for the browser test (Playwright drives it; never `playwright install`).
+browser:
+	@if command -v chromium >/dev/null; then echo "chromium: $$(command -v chromium)"; else \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends \
+	    chromium chromium-driver fonts-dejavu-core; fi
 
 clean:
-	rm -rf .trtforge out mlruns mlflow.db outputs multirun
+	rm -rf .trtforge out mlruns mlflow.db outputs multirun compare.html test-artifacts

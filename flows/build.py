@@ -25,6 +25,7 @@ from flows.cache import (StageCache, build_key, new_result_dir, named_lock, publ
                          remove_result, result_dir)
 from flows.config import compose_config, flat_params, preflight  # noqa: E402
 from tasks.errors import TrtforgeError  # noqa: E402
+from tasks.report import write_report  # noqa: E402
 from tasks.util import write_json  # noqa: E402
 
 
@@ -85,6 +86,7 @@ def publish(ctx: stages.BuildContext) -> dict:
     summary["host"] = socket.gethostname()  # where these numbers were measured (an up-to-date answer says so)
     summary["cache_key"] = ctx.facts["cache_key"]
     write_json(tmp / "summary.json", summary)
+    write_report(tmp)
     try:
         run = track(experiment=cfg.experiment, summary=dict(summary), params=flat_params(cfg), resolved_yaml=resolved,
                     out_dir=tmp, engine_files=[tmp / e["file"] for e in summary["engines"]], versions=summary["versions"],

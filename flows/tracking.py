@@ -14,6 +14,30 @@ def tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
 
 
+def artifact_location(uri: str) -> str | None:
+    """Artifacts live beside the SQLite store they belong to (MLflow's default is ./mlruns of whatever cwd)."""
+    if uri.startswith("sqlite:///"):
+        return (Path(uri[len("sqlite:///"):]).resolve().parent / "mlruns").as_uri()
+    return None
+
+
+def use_experiment(name: str) -> str:
+    """Point MLflow at the tracking store and the experiment `name`, creating it when missing; returns the URI."""
+    import mlflow
+
+    from flows.cache import named_lock
+
+    _quiet()
+    uri = tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    # the first use of a store creates its tables: builds running in parallel take turns (else half-migrated reads)
+    with named_lock(Path(uri), "mlflow-store"):
+        if mlflow.get_experiment_by_name(name) is None:
+            mlflow.create_experiment(name, artifact_location=artifact_location(uri))
+    mlflow.set_experiment(name)
+    return uri
+
+
 def _quiet() -> None:
     for name in ("alembic", "mlflow", "urllib3", "httpx", "sqlalchemy"):
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -107,19 +131,7 @@ def log_build(*, experiment: str, summary: dict, params: dict[str, str], resolve
     A retry of the same build (same `build_id`) continues its run instead of starting another."""
     import mlflow
 
-    _quiet()
-    uri = tracking_uri()
-    mlflow.set_tracking_uri(uri)
-    from flows.cache import named_lock
-
-    # the first use of a store creates its tables: builds running in parallel take turns (else half-migrated reads)
-    with named_lock(Path(uri), "mlflow-store"):
-        if mlflow.get_experiment_by_name(experiment) is None:
-            # artifacts live beside the SQLite store they belong to (MLflow's default is ./mlruns of whatever cwd)
-            location = None
-            if uri.startswith("sqlite:///"):
-                location = (Path(uri[len("sqlite:///"):]).resolve().parent / "mlruns").as_uri()
-            mlflow.create_experiment(experiment, artifact_location=location)
+    uri = use_experiment(experiment)
     exp = mlflow.set_experiment(experiment)
     end_orphans(exp.experiment_id)
     name = f"{summary['model']}-{summary['target']}-{summary['precision']}"
@@ -153,9 +165,11 @@ def log_build(*, experiment: str, summary: dict, params: dict[str, str], resolve
                 mlflow.log_artifact(str(f), artifact_path="engine")
             mlflow.log_text(resolved_yaml, "config.yaml")
             for f in sorted(out_dir.glob("*")):
-                if f.is_file() and f.suffix in (".json", ".html", ".png", ".txt") and f.name != "summary.json":
+                if f.is_file() and f.suffix in (".json", ".html", ".png", ".txt") and f.name not in ("summary.json", "report.html"):
                     mlflow.log_artifact(str(f), artifact_path="reports")
             mlflow.log_artifact(str(out_dir / "summary.json"))
+            if (out_dir / "report.html").is_file():
+                mlflow.log_artifact(str(out_dir / "report.html"))
             mlflow.set_tag("status", "ok" if ok else "failed")
         except Exception:
             mlflow.set_tag("status", "failed")

@@ -49,7 +49,8 @@ def measure(step: Callable[[], Any], bench_cfg: Any, batch: int) -> dict[str, An
         rep = [timed() for _ in range(max(1, int(bench_cfg["iterations"])))]
         times += rep
         medians.append(float(np.median(rep)))
-    return {"first_run_ms": warm[0], "warmup_ms": warm, **latency_stats(times, medians, batch), "runs": len(times)}
+    return {"first_run_ms": warm[0], "warmup_ms": warm, **latency_stats(times, medians, batch), "runs": len(times),
+            "times_ms": times}
 
 
 def batch_of(feed: dict[str, np.ndarray]) -> int:
