@@ -511,26 +511,22 @@ def validate(ctx: BuildContext) -> StageResult:
              "engines": [sha256_file(e) for _, e, _ in engines_of(cand)] if engine_reason is None else None}
 
     def work(d: Path) -> StageResult:
-        engine_outputs = None
-        if engine_reason is None:
-            with contextlib.ExitStack() as runners:
-                run_engine = candidate_runner(ctx, use_engines=True, runners=runners)
-                engine_outputs = [run_engine(f) for f in feeds]
-        try:
-            return validate_onnx(reference, candidate_runner(ctx, use_engines=False), feeds,
-                                 ctx.cfg.accuracy.min_cosine, source, d / "validation.json", engine_outputs=engine_outputs,
-                                 engine_skip_reason=engine_reason, label=label, reference_label=reference_label,
-                                 emulation=f"onnxruntime emulation of {ctx.cfg.precision.name}",
-                                 engine_device=gpu and f"engine on {gpu.name} (sm {gpu.compute_capability})")
-        except AccuracyError as e:  # the verdict is a result too: cache it, gate below
-            return e.result
+        with contextlib.ExitStack() as runners:
+            run_engine = candidate_runner(ctx, use_engines=True, runners=runners) if engine_reason is None else None
+            try:
+                return validate_onnx(reference, candidate_runner(ctx, use_engines=False), feeds,
+                                     ctx.cfg.accuracy.min_cosine, source, d / "validation.json", engine=run_engine,
+                                     engine_skip_reason=engine_reason, label=label, reference_label=reference_label,
+                                     emulation=f"onnxruntime emulation of {ctx.cfg.precision.name}",
+                                     engine_device=gpu and f"engine on {gpu.name} (sm {gpu.compute_capability})")
+            except AccuracyError as e:  # the verdict is a result too: cache it, gate below
+                return e.result
 
     label = f"{ctx.cfg.model.name} at {ctx.cfg.precision.name}"
     r = ctx.cached("validate", parts, work)
-    shape_warnings = [w for w in r.details.get("warnings", []) if "fp32 model itself" in w]
-    if shape_warnings:
-        ctx.stages.setdefault("validate", {})["warnings"] = shape_warnings
-        record.notes.append(f"{record.feeds - r.metrics['validate_feeds']} shapes left out: the fp32 model itself fails on them")
+    if r.details.get("left_out"):  # shapes the fp32 model itself fails on: a property of the model, said once
+        ctx.stages.setdefault("validate", {})["warnings"] = r.details["warnings"][:1]
+        record.notes.append(f"{len(r.details['left_out'])} shapes left out: the fp32 model itself fails on them")
     r.details["data"] = record.as_dict()
     if not r.details["passed"]:
         worst = min(r.details["outputs"], key=lambda n: r.details["outputs"][n]["cosine"])

@@ -99,15 +99,15 @@ def reference_outputs(ref_sess, feeds: list[dict[str, np.ndarray]]) -> tuple[lis
 
 
 def validate_onnx(reference: Path, candidate: Path | Callable, feeds: list[dict[str, np.ndarray]], min_cosine: float,
-                  inputs_source: str, out_path: Path, engine_outputs: list[dict[str, np.ndarray]] | None = None,
+                  inputs_source: str, out_path: Path, engine: Callable | None = None,
                   engine_skip_reason: str | None = None, label: str | None = None,
                   emulation: str = "onnxruntime emulation", engine_device: str | None = None,
                   reference_label: str = "fp32") -> StageResult:
     """Compare candidate (an ONNX file, or a callable such as a composed hybrid model) to the fp32 reference in
     ONNX Runtime on every feed; gate on min_cosine; write a JSON report.
 
-    `cosine_min` is the gate's number and `cosine_source` says what it measured: the engine's outputs when they were
-    given (`engine_device`, e.g. "engine on NVIDIA L4 (sm 8.9)"), else the candidate graph in ONNX Runtime
+    `cosine_min` is the gate's number and `cosine_source` says what it measured: the engine's outputs when an `engine`
+    runner is given (run only on the inputs the reference accepts; `engine_device`, e.g. "engine on NVIDIA L4 (sm 8.9)"), else the candidate graph in ONNX Runtime
     (`emulation`, e.g. "onnxruntime emulation of int8"). Both are also kept under their own names:
     `emulation_cosine_min` and, when the engine ran, `engine_cosine_min`."""
     t0 = time.perf_counter()
@@ -119,9 +119,8 @@ def validate_onnx(reference: Path, candidate: Path | Callable, feeds: list[dict[
         def run_candidate(f):
             return ort_run(cand_sess, f)
     refs, kept, warnings = reference_outputs(ref_sess, feeds)
+    left_out = [{n: list(a.shape) for n, a in f.items()} for i, f in enumerate(feeds) if i not in set(kept)]
     feeds = [feeds[i] for i in kept]
-    if engine_outputs is not None:
-        engine_outputs = [engine_outputs[i] for i in kept]
     per_feed = [compare(r, run_candidate(f)) for r, f in zip(refs, feeds)]
     worst = summarize(per_feed)
     cosine_min = min(m["cosine"] for m in worst.values())
@@ -132,8 +131,8 @@ def validate_onnx(reference: Path, candidate: Path | Callable, feeds: list[dict[
     if inputs_source == "random":
         warnings.append("validated on random inputs inside the profiles (no validation.data, calibration data or model.images)")
     emulation_cosine_min, emulation_outputs, source = cosine_min, worst, emulation
-    if engine_outputs is not None:
-        eng = summarize([compare(r, e) for r, e in zip(refs, engine_outputs)])
+    if engine is not None:
+        eng = summarize([compare(r, engine(f)) for r, f in zip(refs, feeds)])
         engine = {"status": "ok", "device": engine_device, "outputs": eng,
                   "cosine_min": min(m["cosine"] for m in eng.values())}
         cosine_min, source, worst = engine["cosine_min"], engine_device or "engine", eng  # the engine is what ships
@@ -141,7 +140,7 @@ def validate_onnx(reference: Path, candidate: Path | Callable, feeds: list[dict[
         engine = {"status": "skipped", "reason": engine_skip_reason or "engine execution not requested"}
     report = {
         "reference": reference_label, "inputs": inputs_source,
-        "feeds": [{n: list(a.shape) for n, a in f.items()} for f in feeds],
+        "feeds": [{n: list(a.shape) for n, a in f.items()} for f in feeds], "left_out": left_out,
         "min_cosine": min_cosine, "cosine_min": cosine_min, "cosine_source": source, "outputs": worst,
         "emulation": {"source": emulation, "cosine_min": emulation_cosine_min, "outputs": emulation_outputs},
         "per_feed": per_feed,

@@ -72,6 +72,7 @@ def test_a_shape_the_fp32_model_cannot_run_is_a_warning_naming_the_key(tmp_path)
     feeds = [{"x": rng.standard_normal(s).astype(np.float32)} for s in ([1, 3, 8, 8], [1, 3, 9, 7], [2, 3, 16, 12])]
     r = validate_onnx(m, m, feeds, 0.99, "random", tmp_path / "v.json")
     assert r.details["passed"] and r.metrics["validate_feeds"] == 2
+    assert r.details["left_out"] == [{"x": [1, 3, 9, 7]}]
     w = next(w for w in r.details["warnings"] if "fp32 model itself" in w)
     assert "1 of 3 input shapes" in w and "[1, 3, 9, 7]" in w and "model.shape_multiple" in w and "Add node" in w
     with pytest.raises(Exception, match="fails on every validation input"):
