@@ -279,6 +279,7 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
         raise Skip(f"the model is already quantized ({describe(prequantized(ctx))})")
     from tasks.build import SHIPPED_METRICS, add_metrics, engine_from_onnx
     from tasks.calibrate import qdq_from_onnx
+    from tasks.report import sensitivity_report
     from tasks.segments import run_with_intermediates
 
     cal_feeds, eval_feeds, data_key, record = _calibration_feeds(ctx)
@@ -387,35 +388,6 @@ def _calibration_feeds(ctx: BuildContext) -> tuple[list, list, dict, Any]:
     record = DataRecord.of(cal, "images" if recipe else "random", recipe=recipe)
     return cal, held, {"recipe": recipe, "shapes": cal_shapes + held_shapes, "seed": ctx.cfg.seed,
                        "generator": GENERATOR_VERSION}, record
-
-
-def sensitivity_report(segments: list[dict], d: Path) -> dict[str, Path]:
-    """The per-layer sensitivity table (JSON) and a bar chart: cosine with only that layer quantized."""
-    from tasks.util import write_json
-
-    rows = [{"segment": s["segment"], **r, "kept_high_precision": r["node"] in set(s.get("fallback", []))}
-            for s in segments for r in s.get("sensitivity", [])]
-    files = {"sensitivity": write_json(d / "sensitivity.json", {"layers": rows, "segments": [
-        {k: s.get(k) for k in ("segment", "method", "precision", "quantized", "fallback", "min_cosine")} for s in segments]})}
-    if rows:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        rows = sorted(rows, key=lambda r: r["cosine_alone"])
-        fig, ax = plt.subplots(figsize=(10, max(3.0, 0.18 * len(rows) + 1)))
-        colors = ["#c62828" if r["kept_high_precision"] else "#2e7d32" for r in rows]
-        ax.barh(range(len(rows)), [1 - r["cosine_alone"] for r in rows], color=colors)
-        ax.set_yticks(range(len(rows)))
-        ax.set_yticklabels([r["node"] for r in rows], fontsize=6)
-        ax.set_xscale("log")
-        ax.set_xlabel("1 - cosine to fp32 with only this layer quantized (red: kept in higher precision)")
-        ax.set_title("quantization sensitivity per layer")
-        fig.tight_layout()
-        fig.savefig(d / "sensitivity.png", dpi=100)
-        plt.close(fig)
-        files["sensitivity_plot"] = d / "sensitivity.png"
-    return files
 
 
 def _feeds(ctx: BuildContext, purpose: str) -> tuple[list, str, dict, Any]:

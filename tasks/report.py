@@ -13,6 +13,8 @@ import math
 from pathlib import Path
 from typing import Any, Iterable
 
+from .util import write_json
+
 STAGES = ("export", "partition", "build", "calibrate", "validate", "benchmark")
 STATUS_COLOR = {"ok": "#2e7d32", "cached": "#0277bd", "skipped": "#9e9e9e", "failed": "#c62828"}
 PRECISION_COLOR = {"fp32": "#5c6bc0", "fp16": "#26a69a", "int8": "#ffa726", "fp8": "#ef5350"}
@@ -169,6 +171,28 @@ def latency_plot(benchmark: dict, path: Path) -> Path | None:
 
 
 # --- report.html --------------------------------------------------------------------------------------------------
+
+def sensitivity_report(segments: list[dict], d: Path) -> dict[str, Path]:
+    """The per-layer sensitivity table (JSON) and a bar chart: cosine with only that layer quantized."""
+    rows = [{"segment": s["segment"], **r, "kept_high_precision": r["node"] in set(s.get("fallback", []))}
+            for s in segments for r in s.get("sensitivity", [])]
+    files = {"sensitivity": write_json(d / "sensitivity.json", {"layers": rows, "segments": [
+        {k: s.get(k) for k in ("segment", "method", "precision", "quantized", "fallback", "min_cosine")} for s in segments]})}
+    if rows:
+        plt = _pyplot()
+        rows = sorted(rows, key=lambda r: r["cosine_alone"])
+        fig, ax = plt.subplots(figsize=(10, max(3.0, 0.18 * len(rows) + 1)))
+        colors = ["#c62828" if r["kept_high_precision"] else "#2e7d32" for r in rows]
+        ax.barh(range(len(rows)), [1 - r["cosine_alone"] for r in rows], color=colors)
+        ax.set_yticks(range(len(rows)))
+        ax.set_yticklabels([r["node"] for r in rows], fontsize=6)
+        ax.set_xscale("log")
+        ax.set_xlabel("1 - cosine to fp32 with only this layer quantized (red: kept in higher precision)")
+        ax.set_title("quantization sensitivity per layer")
+        files["sensitivity_plot"] = _save(fig, d / "sensitivity.png")
+    return files
+
+
 
 def write_report(out_dir: Path) -> Path:
     """Plots (accuracy.png, latency.png) and report.html in a result folder that holds summary.json."""
