@@ -95,6 +95,10 @@ def print_summary(summary: dict, seconds: float) -> None:
     if "cosine_min" in m:
         c.print(f"  accuracy cosine_min {m['cosine_min']:.6f} vs {summary['stages']['validate'].get('reference', 'fp32')}, "
                 f"measured by {accuracy_source(summary)}", markup=False)
+    if "flops_share" in m:
+        from tasks.flops import describe
+
+        c.print(f"  flops    {describe(m)} (estimated on the TensorRT network)", markup=False)
     c.print(f"  summary  {summary['out_dir']}/summary.json")
     run = summary.get("mlflow") or {}
     if run:

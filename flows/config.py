@@ -157,7 +157,7 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> dict[str, Any]:
     if m.format not in ("onnx", "torch", "paddle"):
         raise ConfigError(f"model.format={m.format!r} is not supported", fix="use onnx, torch or paddle")
     cal = cfg.calibration
-    if cal.method not in ("entropy", "minmax", "percentile"):
+    if cal.method is not None and cal.method not in ("entropy", "minmax", "percentile"):
         raise ConfigError(f"calibration.method={cal.method!r} is unknown", fix="use entropy, minmax or percentile")
     if not 0.0 <= cal.budget_margin < 1.0:
         raise ConfigError(f"calibration.budget_margin={cal.budget_margin} is outside [0, 1)", fix="e.g. 0.25")

@@ -256,7 +256,8 @@ def _build_engines(ctx: BuildContext) -> StageResult:
                                        "onnx": conv.files["onnx"].name, "sha256": eng.details["sha256"]})
             details.update(backend=eng.details["backend"], compute_capability=t.compute_capability, precision=precision)
             details.setdefault("conversion", []).append(conv.details)
-        return StageResult(files=files, metrics=metrics, details=details)
+        return with_precision_profile(ctx, StageResult(files=files, metrics=metrics, details=details),
+                                      [files[f"onnx{s['index']}"] for s in segs], segs, d, precision)
 
     r = ctx.cached("build", parts, work)
     if builds_baseline(ctx):  # the cache entry is shared with the fp16/fp32 build; here it is the baseline
@@ -302,7 +303,8 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
     def quantize(d: Path) -> StageResult:
         files, metrics, details = {}, {"quantized_layers": 0, "fallback_layers": 0, "calibrate_cosine_min": 1.0}, []
         for s in segs:
-            with sample_progress(f"calibrating ({c.method}, segment {s['index']})", ctx.show_progress) as on_sample:
+            with sample_progress(f"calibrating ({c.method or 'default method'}, segment {s['index']})",
+                                 ctx.show_progress) as on_sample:
                 r = qdq_from_onnx(s["onnx"], segment_feeds(s, cal_feeds), d / f"qdq{s['index']}.onnx", method=c.method,
                                   precision=p.name, min_cosine=target, eval_feeds=segment_feeds(s, eval_feeds),
                                   workdir=d / f"work{s['index']}", on_sample=on_sample)
@@ -329,7 +331,8 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
             files[f"engine{s['index']}"] = eng.files["engine"]
             add_metrics(metrics, eng.metrics, SHIPPED_METRICS)  # the quantized engines ship
             details["engines"].append({"segment": s["index"], "engine": eng.files["engine"].name, "sha256": eng.details["sha256"]})
-        return StageResult(files=files, metrics=metrics, details=details)
+        return with_precision_profile(ctx, StageResult(files=files, metrics=metrics, details=details),
+                                      [q.files[f"qdq{s['index']}"] for s in segs], segs, d, p.name)
 
     e = ctx.cached("calibrate", e_parts, build_quantized, entry="calibrate-engine")
     files = dict(e.files)
@@ -338,6 +341,19 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
     details = {"engines": [{**x, "onnx": q.files[f"qdq{x['segment']}"].name} for x in e.details["engines"]],
                "quantization": q.details, "eval_samples": len(eval_feeds), "data": record.as_dict()}
     return StageResult(files=files, metrics={**q.metrics, **e.metrics}, details=details)
+
+
+def with_precision_profile(ctx: BuildContext, r: StageResult, graphs: list[Path], segs: list[dict], d: Path,
+                           precision: str) -> StageResult:
+    """Add the precision profile of the engines just built from ``graphs`` (one per segment) to ``r``."""
+    from tasks.flops import precision_profile
+
+    prof = precision_profile(graphs, [s["profiles"] for s in segs], ctx.backend, d,
+                             f"{ctx.cfg.model.name} {ctx.cfg.target.name} {precision}")
+    r.files.update(prof.files)
+    r.metrics.update(prof.metrics)
+    r.details["precision_profile"] = prof.details
+    return r
 
 
 @contextlib.contextmanager

@@ -154,7 +154,10 @@ def log_build(*, experiment: str, summary: dict, params: dict[str, str], resolve
             from flows.stages import origin_text  # a cached stage's numbers were measured by another run: say which
             mlflow.set_tags({f"cached_from.{stage}": origin_text(s["cached_from"])
                              for stage, s in summary["stages"].items() if s.get("cached_from")})
-            metrics = {k: float(v) for k, v in summary.get("metrics", {}).items()
+            flat = {}
+            for k, v in summary.get("metrics", {}).items():  # dicts of numbers (flops_share) as "flops_share.fp16"
+                flat.update({f"{k}.{kk}": vv for kk, vv in v.items()} if isinstance(v, dict) else {k: v})
+            metrics = {k: float(v) for k, v in flat.items()
                        if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(float(v)) != float("inf")}
             for stage, s in summary["stages"].items():
                 if s.get("seconds") is not None:

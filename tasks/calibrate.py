@@ -42,40 +42,49 @@ from .errors import AccuracyError, ConfigError, StageError, UnavailableError
 from .util import StageResult
 
 STAGE = "calibrate"
-QUANT_OPS = ("Conv", "MatMul", "Gemm")
+QUANT_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
+HIGH_PRECISIONS = ("fp16", "fp32")
 METHODS = {"entropy": "Entropy", "minmax": "MinMax", "percentile": "Percentile"}
 PRECISIONS = {"int8": "QInt8", "fp8": "QFLOAT8E4M3FN"}
+DEFAULT_METHOD = {"int8": "entropy", "fp8": "minmax"}  # minmax with symmetric ranges = amax
 FP8_MAX = 448.0  # largest finite float8 E4M3FN value
-MIN_OPSET = 13
+MIN_OPSET = 19  # float16 Q/DQ scales (the fp16 remainder) and float8 need opset 19
 HIST_BINS = 2048
-ENTROPY_QUANT_BINS = 128  # int8: 2 * 64 levels each side of zero in the real-value histogram
-ENTROPY_CANDIDATES = 192  # thresholds tried per tensor (ORT tries every bin: ~1000)
+ENTROPY_QUANT_BINS = 128  # int8 levels of |x| (TensorRT's entropy calibrator)
+ENTROPY_CANDIDATES = 512  # thresholds tried per tensor, evenly strided (TensorRT tries all 1920 for 2048 bins)
 PERCENTILE = 99.999
 RANGES_MEMO_SIZE = 4  # calibrated ranges kept per (model bytes, feeds, method): int8 + fp8 of one model share them
 GREEDY_TRIES = 6  # layers tried one by one after the binary-searched prefix
 # DedicatedQDQPair: other consumers of a quantized tensor (Add, Resize, ...) keep reading the float tensor
+RESIDUAL_OPS = ("Add",)  # a residual Add's skip input gets Q/DQ so TensorRT fuses the Add into the Conv before it
 EXTRA_OPTIONS = {"ActivationSymmetric": True, "WeightSymmetric": True, "QuantizeBias": False, "DedicatedQDQPair": True,
-                 "OpTypesToExcludeOutputQuantization": list(QUANT_OPS)}  # Q/DQ on the op inputs only
+                 "OpTypesToExcludeOutputQuantization": list(QUANT_OPS + RESIDUAL_OPS)}  # Q/DQ on the op inputs only
 
 
 # ---------------------------------------------------------------- public API
 
 
 def qdq_from_onnx(fp32_path: Path, feeds: list[dict[str, np.ndarray]], out_path: Path, *,
-                  method: str = "entropy",
+                  method: str | None = None,
                   precision: str = "int8",
                   min_cosine: float | None = None,
                   eval_feeds: list[dict[str, np.ndarray]] | None = None,
                   workdir: Path | None = None,
-                  on_sample: Callable[[int, int], None] | None = None) -> StageResult:
+                  on_sample: Callable[[int, int], None] | None = None,
+                  high_precision: str = "fp16") -> StageResult:
     """Quantize ``fp32_path`` to a Q/DQ graph at ``out_path``, within ``min_cosine`` if given.
 
     ``feeds`` calibrate the ranges (one input dict per sample, shapes may differ); the cosine to the fp32
     model (flattened float64, min over outputs and feeds) is judged on ``eval_feeds`` (default: ``feeds``).
-    ``method`` chooses the activation ranges for int8 and fp8 alike (fp8 scale = amax / 448).
+    ``method`` chooses the activation ranges for int8 and fp8 alike (fp8 scale = amax / 448); by default entropy for
+    int8 (TensorRT's calibrator) and minmax, i.e. amax = max|x|, for fp8 (its wider range needs no clipping; the
+    TensorRT/ModelOpt default).
+    ``high_precision``: the type of every op left without Q/DQ (layers the budget keeps out included), as ModelOpt's
+    ``high_precision_dtype``: fp16 through tasks/precision.py's converter (which keeps fp32 only where fp16 cannot hold
+    the values), or fp32. The budget search judges exactly the graph that is written.
     """
-    method = str(method).lower()
     precision = str(precision).lower()
+    method = str(method or DEFAULT_METHOD.get(precision, "entropy")).lower()
     if method not in METHODS:
         raise ConfigError(f"calibration method {method!r} is unknown", stage=STAGE,
                           fix=f"use one of {', '.join(METHODS)}")
@@ -84,6 +93,9 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[dict[str, np.ndarray]], out_path:
                           fix=f"use one of {', '.join(PRECISIONS)} (fp16/fp32 need no calibration)")
     if not feeds:
         raise ConfigError("no calibration samples", stage=STAGE, fix="give at least one input feed to calibrate on")
+    if high_precision not in HIGH_PRECISIONS:
+        raise ConfigError(f"high precision {high_precision!r} is unknown", stage=STAGE,
+                          fix=f"use one of {', '.join(HIGH_PRECISIONS)}")
     if min_cosine is not None and not 0.0 < float(min_cosine) <= 1.0:
         raise ConfigError(f"min_cosine={min_cosine} is outside (0, 1]", stage=STAGE, fix="use e.g. 0.99, or None")
     eval_feeds = list(eval_feeds) if eval_feeds else list(feeds)
@@ -116,7 +128,7 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[dict[str, np.ndarray]], out_path:
         calibration_seconds = time.perf_counter() - t_cal
 
         t_search = time.perf_counter()
-        q = _Quantizer(prepared, ranges, precision)
+        q = _Quantizer(prepared, ranges, precision, high_precision)
         layers = q.layers
         if not layers:
             raise StageError(f"the model has no {'/'.join(QUANT_OPS)} node to quantize", stage=STAGE,
@@ -128,14 +140,21 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[dict[str, np.ndarray]], out_path:
         cos_all = score(layers)
         measurable = not math.isnan(cos_all)
         sensitivity: list[dict] = []
-        chosen, cos_chosen = list(layers), cos_all
+        chosen, cos_chosen, cos_none = list(layers), cos_all, None
         if min_cosine is not None and not measurable:
             raise UnavailableError(
                 f"{precision} Q/DQ graphs cannot be run by ONNX Runtime on this host ({q.run_error}), so the "
                 f"accuracy budget min_cosine={min_cosine} cannot be checked", stage=STAGE, file=str(fp32_path),
                 fix="set min_cosine to None to quantize every layer unchecked, use int8, or validate on a GPU")
         if min_cosine is not None and cos_all < min_cosine:
-            chosen, cos_chosen, sensitivity = _budget_search(layers, q.ops, score, float(min_cosine))
+            cos_none = score([])
+            if cos_none < min_cosine:
+                raise AccuracyError(
+                    f"the {high_precision} graph without any Q/DQ already gives cosine {cos_none:.8f}, below "
+                    f"min_cosine={min_cosine}", stage=STAGE, file=str(fp32_path),
+                    fix="lower accuracy.min_cosine, or quantize with the rest of the graph in fp32")
+            flops = layer_flops(q.base, layers, eval_feeds[0])
+            chosen, cos_chosen, sensitivity = _budget_search(layers, q.ops, score, float(min_cosine), cos_none, flops)
             if not chosen:
                 best = max(sensitivity, key=lambda s: s["cosine_alone"])
                 raise AccuracyError(
@@ -158,7 +177,7 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[dict[str, np.ndarray]], out_path:
             metrics={
                 "quantized_layers": len(chosen),
                 "fallback_layers": len(fallback),
-                "calibrate_cosine_min": cos_chosen,
+                "calibrate_cosine_min": cos_chosen,  # the same ORT emulation of the written graph validate gates on
                 "calibrate_cosine_all": cos_all,
                 "calibration_samples": len(feeds),
                 "calibration_seconds": calibration_seconds,
@@ -169,9 +188,11 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[dict[str, np.ndarray]], out_path:
                 "method": method,
                 "calibration_reused": reused,
                 "precision": precision,
+                "high_precision": high_precision,
                 "min_cosine": min_cosine,
                 "eval_samples": len(eval_feeds),
                 "cosine_measurable": measurable,
+                "cosine_high_precision": cos_none,  # the graph without Q/DQ (measured when the budget searched)
                 "cosine_note": None if measurable else f"not measurable with ONNX Runtime CPU: {q.run_error}",
                 "prepare": prep_info,
                 "sensitivity": sensitivity,
@@ -184,12 +205,22 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[dict[str, np.ndarray]], out_path:
 # ---------------------------------------------------------------- search
 
 
-def _budget_search(layers: list[str], ops: dict[str, str], score, budget: float) -> tuple[list[str], float, list[dict]]:
-    """Rank by sensitivity, binary-search the longest prefix within budget, then a short greedy pass."""
+def _budget_search(layers: list[str], ops: dict[str, str], score, budget: float, cos_none: float = 1.0,
+                   flops: dict[str, float] | None = None) -> tuple[list[str], float, list[dict]]:
+    """Rank the layers, binary-search the longest prefix of the ranking within budget, then a short greedy pass.
+
+    Ranking: accuracy lost with only that layer quantized (``cos_none`` - its cosine; ``cos_none`` is the score with
+    no layer quantized, which meets the budget) per FLOP it moves to the quantized type, least first -- the greedy
+    answer to "most FLOPs quantized within the budget" when losses roughly add up. Without ``flops``: by loss."""
     alone = {n: score([n]) for n in layers}
-    ranked = sorted(layers, key=lambda n: -alone[n])
-    sensitivity = [{"node": n, "op": ops.get(n), "cosine_alone": alone[n]} for n in ranked]
-    cache: dict[int, float] = {0: 1.0, len(ranked): score(ranked)}
+    flops = flops or {}
+
+    def loss_per_flop(n: str) -> float:
+        return max(cos_none - alone[n], 0.0) / max(flops.get(n, 1.0), 1.0)
+
+    ranked = sorted(layers, key=lambda n: (loss_per_flop(n), -alone[n]))
+    sensitivity = [{"node": n, "op": ops.get(n), "cosine_alone": alone[n], "flops": flops.get(n)} for n in ranked]
+    cache: dict[int, float] = {0: cos_none, len(ranked): score(ranked)}
     if ranked:
         cache[1] = alone[ranked[0]]
 
@@ -211,14 +242,52 @@ def _budget_search(layers: list[str], ops: dict[str, str], score, budget: float)
             hi = mid
     chosen, cos = list(ranked[:lo]), prefix(lo)
     if lo:  # ranked[lo] just failed as part of a prefix; try a few of the layers after it one by one
-        for n in ranked[lo + 1:lo + 1 + GREEDY_TRIES]:
-            if alone[n] < budget:
-                break  # ranked: every later layer alone is worse still
+        for n in [n for n in ranked[lo + 1:] if alone[n] >= budget][:GREEDY_TRIES]:
             c = score(chosen + [n])
             if c >= budget:
                 chosen.append(n)
                 cos = c
-    return chosen, (cos if chosen else 1.0), sensitivity
+    return chosen, (cos if chosen else cos_none), sensitivity
+
+
+def layer_flops(model, names: list[str], feed: dict[str, np.ndarray]) -> dict[str, float]:
+    """Estimated FLOPs of the nodes ``names`` at the shapes of ``feed`` (ONNX shape inference): Conv 2 * out elements
+    * Cin/groups * kernel area; ConvTranspose 2 * in elements * Cout/groups * kernel area; MatMul/Gemm 2 * out
+    elements * K; anything else its output elements. 0 where shapes cannot be inferred."""
+    import onnx
+
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    for inp in m.graph.input:
+        if inp.name in feed:
+            for d, v in zip(inp.type.tensor_type.shape.dim, feed[inp.name].shape):
+                d.Clear()
+                d.dim_value = int(v)
+    del m.graph.value_info[:]
+    try:
+        m = onnx.shape_inference.infer_shapes(m, data_prop=True)
+    except Exception:  # noqa: BLE001 - no estimate, the ranking falls back to accuracy alone
+        return {}
+    g = m.graph
+    shapes = {v.name: [d.dim_value if d.HasField("dim_value") else 0 for d in v.type.tensor_type.shape.dim]
+              for v in (*g.input, *g.value_info, *g.output)}
+    weights = {t.name: list(t.dims) for t in g.initializer}
+    want, out = set(names), {}
+    for n in g.node:
+        if n.name not in want:
+            continue
+        o, i = math.prod(shapes.get(n.output[0], [0])), shapes.get(n.input[0], [0])
+        w = weights.get(n.input[1]) if len(n.input) > 1 else None
+        if n.op_type == "Conv" and w:
+            out[n.name] = 2.0 * o * math.prod(w[1:])
+        elif n.op_type == "ConvTranspose" and w:
+            out[n.name] = 2.0 * math.prod(i) * math.prod(w[1:])
+        elif n.op_type in ("MatMul", "Gemm") and i:
+            trans_a = any(a.name == "transA" and a.i for a in n.attribute)
+            out[n.name] = 2.0 * o * (i[0] if trans_a else i[-1])
+        else:
+            out[n.name] = float(o)
+    return out
 
 
 # ---------------------------------------------------------------- model preparation
@@ -288,23 +357,22 @@ def _calibrate(model_path: Path, feeds, method: str, work: Path, on_sample=None)
     """Ranges of the inputs of every Conv/MatMul/Gemm (the same for int8 and fp8)."""
     from onnxruntime.quantization.calibrate import CalibrationMethod, TensorsData, create_calibrator
 
-    if method == "entropy":
-        cm, opts = CalibrationMethod.Entropy, {"num_bins": HIST_BINS, "symmetric": True}
-    elif method == "percentile":
+    if method in ("entropy", "percentile"):  # both on ORT's histogram of |x| (2048 bins, grown as |x| grows)
         cm, opts = CalibrationMethod.Percentile, {"num_bins": HIST_BINS, "percentile": PERCENTILE, "symmetric": True}
     else:
         cm, opts = CalibrationMethod.MinMax, {"symmetric": True}
     try:
         with contextlib.redirect_stdout(io.StringIO()):
-            cal = create_calibrator(model_path, list(QUANT_OPS), augmented_model_path=str(work / "augmented.onnx"),
+            cal = create_calibrator(model_path, list(QUANT_OPS + RESIDUAL_OPS), augmented_model_path=str(work / "augmented.onnx"),
                                     calibrate_method=cm, extra_options=opts)
             for i, feed in enumerate(feeds):
                 cal.collect_data(_OneFeed(feed))
                 if on_sample is not None:
                     on_sample(i + 1, len(feeds))
-            if cm == CalibrationMethod.Entropy:
-                hists = cal.collector.histogram_dict
-                return TensorsData(cm, {k: _entropy_range(h) for k, h in hists.items()})
+            if method == "entropy":  # KL search only where Q/DQ can go (ORT also records e.g. Add outputs)
+                hists, needed = cal.collector.histogram_dict, _quantized_activations(model_path)
+                return TensorsData(CalibrationMethod.Entropy, {k: _entropy_range(h) if k in needed else _max_range(h)
+                                                              for k, h in hists.items()})
             return cal.compute_data()
     except Exception as e:
         shapes = sorted({str({k: list(v.shape) for k, v in f.items()}) for f in feeds})[:4]
@@ -334,51 +402,58 @@ def _save_ranges(ranges, path: Path) -> None:
     save_tensors_data(ranges, path)
 
 
-def _smooth(p: np.ndarray, eps: float = 1e-4) -> np.ndarray | None:
-    zeros = p == 0
-    nz = p.size - int(zeros.sum())
-    if nz == 0:
-        return None
-    return p + eps * zeros - (eps * (p.size - nz) / nz) * ~zeros
+def _quantized_activations(model_path: Path) -> set[str]:
+    """Activations that can get Q/DQ: the float inputs of Conv/ConvTranspose/MatMul/Gemm and residual skip inputs."""
+    import onnx
+
+    g = onnx.load(str(model_path), load_external_data=False).graph
+    inits = {t.name for t in g.initializer}
+    names = {i for n in g.node if n.op_type in QUANT_OPS for i in n.input[:2] if i not in inits}
+    by_name = {n.name: n for n in g.node}
+    return names | {by_name[a].input[k] for a, k in residual_adds(g).items()}
+
+
+def _max_range(hist_entry) -> tuple:
+    """(-max|x|, max|x|) from a histogram entry's recorded min and max."""
+    amax = max(abs(float(hist_entry[2])), abs(float(hist_entry[3])))
+    dtype = np.asarray(hist_entry[1]).dtype
+    return (np.array(-amax, dtype=dtype), np.array(amax, dtype=dtype), hist_entry[0], hist_entry[1])
 
 
 def _entropy_range(hist_entry) -> tuple:
-    """TensorRT-style KL-divergence threshold on ORT's symmetric real-value histogram (vectorised)."""
-    hist, edges, vmin, vmax = hist_entry[0], hist_entry[1], hist_entry[2], hist_entry[3]
-    h = np.asarray(hist, dtype=np.float64)
-    n = h.size
-    zero, half, nq = n // 2, ENTROPY_QUANT_BINS // 2, ENTROPY_QUANT_BINS
-    dtype = edges.dtype
-    if zero < half or h.sum() == 0:
-        return (np.array(vmin, dtype=dtype), np.array(vmax, dtype=dtype), hist, edges)
-    csum = np.concatenate([[0.0], np.cumsum(h)])
-    cands = np.unique(np.linspace(half, zero, min(ENTROPY_CANDIDATES, zero - half + 1)).round().astype(int))
-    best_kl, best = math.inf, (0, n)
-    for i in cands:
-        s, e = zero - i, min(zero + i + 1, n)
-        sl = h[s:e]
-        p = sl.copy()
-        p[0] += csum[s]
-        p[-1] += csum[n] - csum[e]
-        m = sl.size // nq
-        body = sl[: nq * m].reshape(nq, m)
-        qb = body.sum(1)
-        qb[-1] += sl[nq * m:].sum()
-        nzm = (p[: nq * m] != 0).reshape(nq, m)
-        norm = nzm.sum(1)
-        q = np.zeros_like(p)
-        q[: nq * m] = (np.where(norm > 0, qb / np.maximum(norm, 1), 0.0)[:, None] * nzm).ravel()
-        ps, qs = _smooth(p), _smooth(q)
-        if ps is None or qs is None:
-            continue
-        ps, qs = ps / ps.sum(), qs / qs.sum()
-        with np.errstate(divide="ignore", invalid="ignore"):
-            kl = float(np.sum(np.where(ps > 0, ps * np.log(ps / np.where(qs > 0, qs, 1e-300)), 0.0)))
-        if kl < best_kl:
-            best_kl, best = kl, (s, e)
-    lo = max(float(edges[best[0]]), float(vmin))
-    hi = min(float(edges[best[1]]), float(vmax))
-    return (np.array(lo, dtype=dtype), np.array(hi, dtype=dtype), hist, edges)
+    """TensorRT's entropy calibration on a histogram of |x|: for each candidate threshold bin i (128 .. all bins),
+    P = the first i bins with everything above folded into bin i-1, Q = those bins merged into 128 quantization
+    levels and spread back over P's non-empty bins; amax = the edge of the i with the least KL(P || Q) (the largest i
+    on ties). As in NVIDIA's reference implementation (pytorch-quantization ``_compute_amax_entropy``) the first bin
+    is set to the second's count so exact zeros (ReLU) do not dominate, and thresholds are tried with a stride
+    (ENTROPY_CANDIDATES of them, TensorRT tries every bin). The range is symmetric: (-amax, amax)."""
+    hist, edges = hist_entry[0], hist_entry[1]
+    bins = np.asarray(hist, dtype=np.float64).copy()
+    n, nq = bins.size, ENTROPY_QUANT_BINS
+    amax = float(edges[-1])
+    if n > nq and bins.sum() > 0:
+        bins[0] = bins[1]
+        tail = np.concatenate([np.cumsum(bins[::-1])[::-1], [0.0]])  # tail[i] = sum(bins[i:])
+        best_kl, best_i = math.inf, n
+        for i in range(nq, n + 1, max(1, math.ceil((n - nq) / ENTROPY_CANDIDATES))):
+            ref = bins[:i]
+            p = ref.copy()
+            p[-1] += tail[i]
+            nz = ref != 0
+            level = (np.arange(i) * nq) // i
+            mass = np.bincount(level, weights=ref, minlength=nq)
+            used = np.bincount(level, weights=nz, minlength=nq)
+            q = np.where(nz, mass[level] / np.maximum(used[level], 1), 0.0)
+            if p.sum() <= 0 or q.sum() <= 0:
+                continue
+            p, q = p / p.sum(), q / q.sum()
+            m = p > 0
+            kl = math.inf if (q[m] == 0).any() else float(np.sum(p[m] * np.log(p[m] / q[m])))
+            if kl <= best_kl:
+                best_kl, best_i = kl, i
+        amax = float(edges[best_i])
+    dtype = np.asarray(edges).dtype
+    return (np.array(-amax, dtype=dtype), np.array(amax, dtype=dtype), hist, edges)
 
 
 # ---------------------------------------------------------------- quantization + evaluation
@@ -393,7 +468,7 @@ class _Quantizer:
     pairs per consumer), without re-running the quantizer for every candidate of the budget search.
     """
 
-    def __init__(self, model_path: Path, ranges, precision: str):
+    def __init__(self, model_path: Path, ranges, precision: str, high_precision: str = "fp16"):
         from onnx import numpy_helper
         from onnxruntime.quantization.quant_utils import QuantType, load_model_with_shape_infer, update_opset_version
 
@@ -401,19 +476,32 @@ class _Quantizer:
         self.qtype = QuantType.QInt8  # fp8: quantized as int8, then rewritten by _to_fp8
         self.ranges = ranges
         self.precision = precision
+        self.high_precision = high_precision
         self.base = update_opset_version(load_model_with_shape_infer(Path(model_path)), qt, qt)  # fp8: opset 19
         self._weights = {t.name: t for t in self.base.graph.initializer}
         self._fp8_weights: dict[tuple[str, int | None], tuple[np.ndarray, np.ndarray]] = {}
         self._amax = {k: _amax(v) for k, v in ranges.data.items()} if precision == "fp8" else {}
         self._np = numpy_helper
-        self.layers = [n.name for n in self.base.graph.node if n.op_type in QUANT_OPS]
-        self.ops = {n.name: n.op_type for n in self.base.graph.node if n.op_type in QUANT_OPS}
-        self._float_inputs = {n.name: list(n.input) for n in self.base.graph.node if n.op_type in QUANT_OPS}
+        self.residual = residual_adds(self.base.graph)  # Add name -> index of its skip input
+        nodes = [n for n in self.base.graph.node if n.op_type in QUANT_OPS or n.name in self.residual]
+        self.layers = [n.name for n in nodes]
+        self.ops = {n.name: n.op_type for n in nodes}
+        self._float_inputs = {n.name: list(n.input) for n in nodes}
         self._full = None
         self.run_error: str | None = None
 
     def model(self, names: list[str]):
-        """The Q/DQ graph with exactly the layers ``names`` quantized (derived from the all-layers graph)."""
+        """The graph that ships: the Q/DQ graph of ``names`` with every other op at ``high_precision``."""
+        m = self.qdq(names)
+        if self.high_precision == "fp16":
+            from .precision import _toposort, fp16_from_onnx
+
+            _toposort(m.graph)  # ORT's quantizer appends its Q/DQ nodes; the converter needs topological order
+            m, _ = fp16_from_onnx(m)
+        return m
+
+    def qdq(self, names: list[str]):
+        """The Q/DQ graph with exactly the layers ``names`` quantized (derived from the all-layers graph), in fp32."""
         import onnx
 
         m = onnx.ModelProto()
@@ -446,12 +534,12 @@ class _Quantizer:
 
         m = onnx.ModelProto()
         m.CopyFrom(self.base)
-        qz = QDQQuantizer(m, True, False, self.qtype, self.qtype, self.ranges, list(names), [], list(QUANT_OPS),
-                          dict(EXTRA_OPTIONS))
+        qz = QDQQuantizer(m, True, False, self.qtype, self.qtype, self.ranges, list(names), [],
+                          list(QUANT_OPS + RESIDUAL_OPS), dict(EXTRA_OPTIONS))
         m = qz.quantize_model()
         if self.precision == "fp8":
             self._to_fp8(m)
-        return _float_for_other_consumers(m)
+        return _float_for_other_consumers(m, self.residual)
 
     def _fp8_weight(self, name: str, axis: int | None) -> tuple[np.ndarray, np.ndarray]:
         """(float8 weight, float32 scale): per-channel along ``axis`` (per-tensor if None), max|w| / 448."""
@@ -552,9 +640,28 @@ def _fp8_scale(amax: float) -> float:
     return amax / FP8_MAX if math.isfinite(amax) and amax > 0 else 1.0
 
 
-def _float_for_other_consumers(model):
+def residual_adds(g) -> dict[str, int]:
+    """Adds of a Conv/ConvTranspose output and another activation (a residual connection): Add name -> index of the
+    skip input. TensorRT fuses such an Add into the convolution when the skip input is quantized (ModelOpt puts Q/DQ
+    there, not on the convolution's own output). Adds whose both or neither inputs come from a convolution, or with a
+    constant input, are left alone."""
+    producer = {o: n for n in g.node for o in n.output}
+    consts = {t.name for t in g.initializer}
+    out = {}
+    for n in g.node:
+        if n.op_type not in RESIDUAL_OPS or len(n.input) != 2 or any(i in consts or i not in producer for i in n.input):
+            continue
+        conv = [producer[i].op_type in ("Conv", "ConvTranspose") for i in n.input]
+        if sum(conv) == 1:
+            out[n.name] = conv.index(False)
+    return out
+
+
+def _float_for_other_consumers(model, residual: dict[str, int] | None = None):
     """ORT's quantizer can route a shared activation's other consumers (e.g. Resize) through the DQ even with
-    DedicatedQDQPair: point them back to the float tensor so Q/DQ feeds only Conv/MatMul/Gemm."""
+    DedicatedQDQPair: point them back to the float tensor so Q/DQ feeds only Conv/MatMul/Gemm inputs and the skip
+    input of the residual Adds in ``residual`` (Add name -> skip input index)."""
+    residual = residual or {}
     g = model.graph
     q_src = {n.output[0]: n.input[0] for n in g.node if n.op_type == "QuantizeLinear"}
     dq_src = {n.output[0]: q_src[n.input[0]] for n in g.node
@@ -563,7 +670,7 @@ def _float_for_other_consumers(model):
         if n.op_type in QUANT_OPS or n.op_type in ("QuantizeLinear", "DequantizeLinear"):
             continue
         for i, name in enumerate(n.input):
-            if name in dq_src:
+            if name in dq_src and residual.get(n.name) != i:
                 n.input[i] = dq_src[name]
     _positive_scales(g)
     _drop_dead_qdq(g)

@@ -203,15 +203,17 @@ def _cast_around_blocked(g: onnx.GraphProto, op_block: set[str], node_block: set
 def _shape_only_nodes(g: onnx.GraphProto) -> list[str]:
     """Names of nodes whose outputs don't depend on graph-input *values*.
 
-    A tensor is "data" if it is a graph input or the output of a non-Shape/Size
-    node with any data input.  Nodes producing no data tensors are shape
-    arithmetic (or constant folding material) and are kept in fp32.
+    A tensor is "data" if it is a graph input, the output of a non-Shape/Size
+    node with any data input, or a DequantizeLinear output (quantized weights:
+    values that feed the math, not shapes).  Nodes producing no data tensors are
+    shape arithmetic (or constant folding material) and are kept in fp32.
     """
     inits = {t.name for t in g.initializer}
     data = {i.name for i in g.input if i.name not in inits}
     out = []
     for node in g.node:  # ONNX requires topological order
-        if node.op_type not in SHAPE_OPS and any(i in data for i in node_inputs(node)):
+        if node.op_type == "DequantizeLinear" or (
+                node.op_type not in SHAPE_OPS and any(i in data for i in node_inputs(node))):
             data.update(node.output)
         else:
             out.append(node.name)
@@ -276,14 +278,16 @@ def _split_shared_initializers(g: onnx.GraphProto, blocked: set[str]) -> None:
 
 
 def _keep_float_value_info(g: onnx.GraphProto) -> None:
-    """Keep float value_info, minus entries for graph inputs/outputs.
+    """Keep float value_info, minus entries for graph inputs/outputs and initializers.
 
     Shape inference (sanitize's data_prop pass) can list a graph output in
     value_info too; the converter then flips that copy to fp16 and
     _retarget_float_casts turns the fp32 output Cast into an fp16 one.
     """
     floats = (TensorProto.FLOAT, TensorProto.FLOAT16)
-    io = {v.name for v in (*g.input, *g.output)}
+    # initializers too: a value_info entry for one (left by the version converter's shape inference) is flipped to
+    # fp16 by the converter, which then casts a blocked node's fp32 initializer through fp16 (BN variances -> inf)
+    io = {v.name for v in (*g.input, *g.output)} | {t.name for t in g.initializer}
     vi = [v for v in g.value_info if v.type.tensor_type.elem_type in floats and v.name not in io]
     del g.value_info[:]
     g.value_info.extend(vi)

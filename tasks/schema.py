@@ -81,7 +81,7 @@ class PrecisionConfig:
 
 @dataclass
 class CalibrationConfig:
-    method: str = "entropy"  # entropy | minmax | percentile
+    method: Optional[str] = None  # entropy | minmax (amax) | percentile; default: entropy for int8, minmax for fp8
     data: Optional[str] = None  # .npz/.npy file or folder of them, one array per input name
     samples: int = 16
     # calibrate aims this fraction of the allowed error above accuracy.min_cosine, so the budget still holds

@@ -1,0 +1,106 @@
+"""The precision profile on tiny graphs built in code, parsed by the real TensorRT-RTX parser: FLOPs per layer against
+hand-computed counts, precisions from the network's tensor types (fp32, fp16 graph, int8 and fp8 Q/DQ graphs)."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from tasks.backend import Backend
+from tasks.build import onnx_at_precision
+from tasks.calibrate import qdq_from_onnx
+from tasks.flops import PRECISIONS, describe, precision_profile, precision_profile_from_onnx, summarize
+from tests.conftest import make_conv_model
+
+N, H, W = 2, 16, 24
+PROFILE = [{"x": {"min": [1, 3, 8, 8], "opt": [N, 3, H, W], "max": [4, 3, 32, 32]}}]
+CONV1 = 2 * N * 8 * H * W * 3 * 9  # 2 * out elements * Cin * kh * kw
+CONV2 = 2 * N * 4 * H * W * 8 * 9
+RELU = N * 8 * H * W
+
+
+@pytest.fixture(scope="module")
+def backend():
+    return Backend("tensorrt_rtx")
+
+
+@pytest.fixture(scope="module")
+def graphs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("flops")
+    fp32 = make_conv_model(d / "tiny.onnx", opset=13)
+    fp16 = onnx_at_precision(fp32, "fp16", d / "tiny_fp16.onnx").files["onnx"]
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.standard_normal((1, 3, 16, 16)).astype(np.float32)} for _ in range(2)]
+    int8 = qdq_from_onnx(fp32, feeds, d / "tiny_int8.onnx", method="minmax").files["onnx"]
+    fp8 = qdq_from_onnx(fp32, feeds, d / "tiny_fp8.onnx", method="minmax", precision="fp8").files["onnx"]
+    return {"fp32": fp32, "fp16": fp16, "int8": int8, "fp8": fp8, "dir": d}
+
+
+def _profile(path, backend):
+    return precision_profile_from_onnx([path], [PROFILE], backend)
+
+
+def _by_type(rows, kind):
+    return [r for r in rows if r["type"] == kind]
+
+
+def test_fp32_counts_and_shares(graphs, backend):
+    p = _profile(graphs["fp32"], backend)
+    convs = _by_type(p["layers"], "CONVOLUTION")
+    assert [c["flops"] for c in convs] == [CONV1, CONV2]
+    assert [r["flops"] for r in _by_type(p["layers"], "ACTIVATION")] == [RELU]
+    m = p["metrics"]
+    assert m["flops_share"] == {"fp32": 1.0, "fp16": 0.0, "int8": 0.0, "fp8": 0.0}
+    assert m["gflops"] * 1e9 == pytest.approx(CONV1 + CONV2 + RELU)
+    assert m["precision_layers"]["fp32"] == 3 and m["conv_int8_share"] == 0.0
+    assert p["unresolved_dims"] == 0
+
+
+def test_fp16_graph_runs_in_fp16(graphs, backend):
+    m = _profile(graphs["fp16"], backend)["metrics"]
+    assert m["flops_share"]["fp16"] == 1.0, m  # the graph-I/O casts count no FLOPs
+    assert m["precision_layers"]["fp16"] == 3 and m["precision_layers"]["fp32"] == 0
+
+
+@pytest.mark.parametrize("q", ["int8", "fp8"])
+def test_qdq_convs_counted_at_their_quantized_type(graphs, backend, q):
+    """Both convs are fed by DQ of int8 (fp8) tensors; the Relu between them runs in the fp16 remainder."""
+    p = _profile(graphs[q], backend)
+    assert {r["precision"] for r in _by_type(p["layers"], "CONVOLUTION")} == {q}
+    assert {r["precision"] for r in _by_type(p["layers"], "ACTIVATION")} == {"fp16"}
+    m = p["metrics"]
+    assert m["flops_share"][q] == pytest.approx((CONV1 + CONV2) / (CONV1 + CONV2 + RELU))
+    assert m["flops_share"]["fp16"] == pytest.approx(RELU / (CONV1 + CONV2 + RELU))
+    assert m["flops_share"]["fp32"] == 0.0 and sum(m["flops_share"].values()) == pytest.approx(1.0)
+    assert m[f"conv_{q}_share"] == 1.0 and m["precision_layers"][q] == 2
+    assert m["precision_layers"]["other"] > 0  # the Q/DQ and constant layers: no FLOPs, no precision of their own
+
+
+def test_matmul_and_deconvolution_flops(tmp_path, backend):
+    rng = np.random.default_rng(1)
+    wt = numpy_helper.from_array(rng.standard_normal((4, 6, 2, 2)).astype(np.float32), "wt")  # Cin 4 -> Cout 6
+    wm = numpy_helper.from_array(rng.standard_normal((10, 5)).astype(np.float32), "wm")
+    g = helper.make_graph(
+        [helper.make_node("ConvTranspose", ["x", "wt"], ["y"], strides=[2, 2], name="deconv"),
+         helper.make_node("MatMul", ["a", "wm"], ["z"], name="mm")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 5, 7]),
+         helper.make_tensor_value_info("a", TensorProto.FLOAT, ["n", 3, 10])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+         helper.make_tensor_value_info("z", TensorProto.FLOAT, None)], initializer=[wt, wm])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(tmp_path / "mm.onnx"))
+    prof = [{"a": {"min": [1, 3, 10], "opt": [8, 3, 10], "max": [16, 3, 10]}}]
+    rows = precision_profile_from_onnx([tmp_path / "mm.onnx"], [prof], backend)["layers"]
+    assert [r["flops"] for r in _by_type(rows, "DECONVOLUTION")] == [2 * (4 * 5 * 7) * 6 * 4]  # 2 * in * Cout * k
+    assert [r["flops"] for r in _by_type(rows, "MATRIX_MULTIPLY")] == [2 * (8 * 3 * 5) * 10]  # 2 * out * K (opt N=8)
+
+
+def test_summary_of_no_float_flops_and_files(graphs, backend):
+    s = summarize([{"type": "SHUFFLE", "precision": "fp32", "flops": 0.0}])
+    assert set(s["flops_share"]) == set(PRECISIONS) and sum(s["flops_share"].values()) == 1.0
+    assert "conv_int8_share" not in s  # no convolution: not measured, so absent
+    r = precision_profile([graphs["int8"]], [PROFILE], backend, graphs["dir"] / "prof", "tiny int8")
+    assert r.files["precision_profile"].is_file() and r.files["precision_profile_plot"].stat().st_size > 5000
+    assert "int8" in describe(r.metrics) and r.metrics["flops_share"]["int8"] > 0.9
