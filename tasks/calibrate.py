@@ -494,10 +494,9 @@ class _Quantizer:
         """The graph that ships: the Q/DQ graph of ``names`` with every other op at ``high_precision``."""
         m = self.qdq(names)
         if self.high_precision == "fp16":
-            from .precision import _toposort, fp16_from_onnx
+            from .precision import fp16_from_onnx
 
-            _toposort(m.graph)  # ORT's quantizer appends its Q/DQ nodes; the converter needs topological order
-            m, _ = fp16_from_onnx(m)
+            m, _ = fp16_from_onnx(m)  # it sorts the graph first (ORT's quantizer appends its Q/DQ nodes)
         return m
 
     def qdq(self, names: list[str]):
