@@ -50,7 +50,7 @@ def precision_profile_from_onnx(onnx_paths: list[Path], profiles: list[dict], ba
 
 
 def summarize(rows: list[dict]) -> dict[str, Any]:
-    """flops_share (four keys, sum 1), layer counts per precision, total GFLOPs and the matmul-type int8/fp8 share."""
+    """flops_share (four keys, sum 1; absent when no FLOPs could be estimated), layer counts per precision, total GFLOPs and the matmul-type int8/fp8 share."""
     flops = collections.Counter({p: 0.0 for p in PRECISIONS})
     layers = collections.Counter({p: 0 for p in (*PRECISIONS, "other")})
     heavy = collections.Counter({p: 0.0 for p in PRECISIONS})
@@ -62,11 +62,10 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
             if r["type"] in MATMUL_KINDS:
                 heavy[p] += r["flops"]
     total = sum(flops.values())
-    out: dict[str, Any] = {
-        "flops_share": {p: (flops[p] / total if total else (1.0 if p == "fp32" else 0.0)) for p in PRECISIONS},
-        "precision_layers": dict(layers),
-        "gflops": total / 1e9,
-    }
+    out: dict[str, Any] = {"precision_layers": dict(layers)}
+    if total:  # no FLOPs estimated (no layer with known shapes): no share, rather than a made-up one
+        out["flops_share"] = {p: flops[p] / total for p in PRECISIONS}
+        out["gflops"] = total / 1e9
     heavy_total = sum(heavy.values())
     if heavy_total:
         out["conv_int8_share"] = heavy["int8"] / heavy_total
@@ -224,8 +223,11 @@ def plot(rows: list[dict], metrics: dict, title: str, path: Path) -> Path:
 
 def describe(metrics: dict) -> str:
     """One line: the FLOP shares and layer counts."""
-    s = metrics["flops_share"]
     n = metrics["precision_layers"]
+    if "flops_share" not in metrics:
+        return "no FLOPs estimated (no layer shape known at the opt shape); layers: " + \
+            ", ".join(f"{p} {c}" for p, c in n.items() if c)
+    s = metrics["flops_share"]
     parts = ", ".join(f"{p} {s[p]:.1%} ({n[p]} layers)" for p in PRECISIONS if s[p] or n[p])
     conv = f"; conv/matmul FLOPs in int8 {metrics['conv_int8_share']:.1%}" if metrics.get("conv_int8_share") else ""
     conv += f", in fp8 {metrics['conv_fp8_share']:.1%}" if metrics.get("conv_fp8_share") else ""
@@ -244,5 +246,7 @@ def precision_profile(onnx_paths: list[Path], profiles: list[list[dict]], backen
     files = {"precision_profile": write_json(out_dir / "precision_profile.json",
                                              {"note": note, **m, "unresolved_dims": p["unresolved_dims"],
                                               "layers": p["layers"]}),
-             "precision_profile_plot": plot(p["layers"], m, f"{title}: {describe(m)}", out_dir / "precision_profile.png")}
+             }
+    if "flops_share" in m:
+        files["precision_profile_plot"] = plot(p["layers"], m, f"{title}: {describe(m)}", out_dir / "precision_profile.png")
     return StageResult(files=files, metrics=dict(m), details={"precision_profile": describe(m), "note": note})

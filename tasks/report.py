@@ -20,7 +20,7 @@ STATUS_COLOR = {"ok": "#2e7d32", "cached": "#0277bd", "skipped": "#9e9e9e", "fai
 PRECISION_COLOR = {"fp32": "#5c6bc0", "fp16": "#26a69a", "int8": "#ffa726", "fp8": "#ef5350"}
 # pictures made by the stages: file name -> caption (others found beside summary.json are shown under "more figures")
 STAGE_FIGURES = {"partition.png": "partition", "sensitivity.png": "sensitivity"}
-OWN_FIGURES = ("accuracy.png", "latency.png")
+OWN_FIGURES = ("accuracy.png", "latency.png", "precision_profile.png")
 
 CSS = """
 body{font:14px/1.45 "DejaVu Sans",system-ui,sans-serif;margin:0;color:#212121;background:#fafafa}
@@ -219,7 +219,7 @@ def report_html(out_dir: Path) -> str:
     if s.get("error"):
         parts.append(f'<p class="err">{esc(s["error"])}</p>')
     parts += [_stages(s), _partition(s, docs["partition"], out_dir), _accuracy(s, docs["validation"], out_dir),
-              _quantization(s, docs["sensitivity"], out_dir), _precision_profile(s), _benchmark(s, docs["benchmark"], out_dir),
+              _quantization(s, docs["sensitivity"], out_dir), _precision_profile(s, out_dir), _benchmark(s, docs["benchmark"], out_dir),
               _engines(s), _more_figures(out_dir), _metrics(s), _warnings(s, docs), _config(s, out_dir)]
     return page(f"trtforge: {title}", "".join(p for p in parts if p))
 
@@ -320,7 +320,7 @@ def _quantization(s: dict, sens: dict | None, out_dir: Path) -> str:
     return out
 
 
-def _precision_profile(s: dict) -> str:
+def _precision_profile(s: dict, out_dir: Path) -> str:
     share = s.get("metrics", {}).get("flops_share")
     if not isinstance(share, dict) or not share:
         return ""
@@ -331,7 +331,9 @@ def _precision_profile(s: dict) -> str:
              num("summary", f"metrics.flops_share.{p}", v, f"{100 * v:.2f} %")] for p, v in share.items()
             if isinstance(v, (int, float))]
     return ("<h2>Precision profile</h2><p>share of the network's estimated FLOPs computed at each precision</p>"
-            f"<p>{bar}</p>" + table(["precision", "share of FLOPs"], rows, numeric=[1]))
+            f"<p>{bar}</p>" + table(["precision", "share of FLOPs"], rows, numeric=[1])
+            + (img(out_dir / "precision_profile.png", "FLOPs per layer and precision, estimated on the TensorRT network")
+               if (out_dir / "precision_profile.png").is_file() else ""))
 
 
 def _benchmark(s: dict, b: dict | None, out_dir: Path) -> str:
