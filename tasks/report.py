@@ -7,6 +7,7 @@ tagged `data-key="<file>:<path>"` with their exact value in `data-value`, so a t
 from __future__ import annotations
 
 import base64
+import collections
 import html
 import json
 import math
@@ -177,7 +178,8 @@ def sensitivity_report(segments: list[dict], d: Path) -> dict[str, Path]:
     rows = [{"segment": s["segment"], **r, "kept_high_precision": r["node"] in set(s.get("fallback", []))}
             for s in segments for r in s.get("sensitivity", [])]
     files = {"sensitivity": write_json(d / "sensitivity.json", {"layers": rows, "segments": [
-        {k: s.get(k) for k in ("segment", "method", "precision", "quantized", "fallback", "min_cosine")} for s in segments]})}
+        {k: s.get(k) for k in ("segment", "method", "range_choice", "precision", "quantized", "fallback", "min_cosine")}
+        for s in segments]})}
     if rows:
         plt = _pyplot()
         rows = sorted(rows, key=lambda r: r["cosine_alone"])
@@ -312,12 +314,19 @@ def _quantization(s: dict, sens: dict | None, out_dir: Path) -> str:
                                           numeric=[1])
     if sens and sens.get("segments"):
         out += table(["segment", "method", "precision", "layers quantized", "kept in higher precision"],
-                     [[esc(g.get("segment")), esc(g.get("method")), esc(g.get("precision")),
+                     [[esc(g.get("segment")), esc(_method_text(g)), esc(g.get("precision")),
                        str(len(g.get("quantized") or [])), esc(", ".join(g.get("fallback") or []) or "none")]
                       for g in sens["segments"]])
     if (out_dir / "sensitivity.png").is_file():
         out += img(out_dir / "sensitivity.png", "sensitivity per layer (cosine to fp32 with only that layer quantized)")
     return out
+
+
+def _method_text(segment: dict) -> str:
+    """"entropy", or "entropy; percentile range for 3 layers, minmax for 1" when the budget search switched some."""
+    counts = collections.Counter((segment.get("range_choice") or {}).values())
+    more = ", ".join(f"{m} for {n} layer{'s' if n > 1 else ''}" for m, n in sorted(counts.items()))
+    return f"{segment.get('method')}" + (f"; range from {more}" if more else "")
 
 
 def _precision_profile(s: dict, out_dir: Path) -> str:

@@ -154,6 +154,26 @@ def test_det_budget_keeps_most_layers_int8(det_budget):
             assert n.input[1] in dq_out, n.name
 
 
+@pytest.fixture(scope="module")
+def det_auto(det_data, tmp_path_factory):
+    path, calib, evals = det_data  # no method given: entropy, with another range per tensor where it loses less
+    d = tmp_path_factory.mktemp("det_auto")
+    return qdq_from_onnx(path, calib, d / "det_int8_auto.onnx", min_cosine=0.99, eval_feeds=evals)
+
+
+def test_det_budget_takes_the_range_that_loses_least(det_budget, det_auto):
+    m, choice = det_auto.metrics, det_auto.details["range_choice"]
+    assert m["calibrate_cosine_min"] >= 0.99 and det_auto.details["method"] == "entropy"
+    assert choice and set(choice.values()) <= {"percentile", "minmax"}, choice
+    entropy_alone = {s["node"]: s["cosine_alone"] for s in det_budget.details["sensitivity"]}
+    rows = {s["node"]: s for s in det_auto.details["sensitivity"]}
+    for node, method in choice.items():  # switched only where it measurably lost less alone
+        assert rows[node]["range"] == method and rows[node]["cosine_alone"] > entropy_alone[node], node
+    assert all(r["range"] == "entropy" for n, r in rows.items() if n not in choice)
+    assert m["quantized_layers"] >= det_budget.metrics["quantized_layers"], (m, det_budget.metrics)
+    assert _profile(det_auto.files["onnx"])["conv_int8_share"] >= 0.8
+
+
 def test_det_int8_graphs_build_for_sm86(det_all, det_budget):
     assert _build(det_all.files["onnx"], "SM86") > 1_000_000
     assert _build(det_budget.files["onnx"], "SM86") > 1_000_000
