@@ -142,12 +142,19 @@ class Backend:
                                    fix=f"it targets {', '.join(valid)}; use Enterprise TensorRT for others")
         return cc
 
-    def support_report(self, model_bytes: bytes, model_path: str) -> SupportReport:
+    def parser(self, logger) -> tuple[Any, Any, Any]:
+        """(builder, network, ONNX parser): the network strongly typed, as every build here is (TensorRT-RTX networks
+        always are; Enterprise TensorRT 10 needs the flag). Keep the builder and parser alive while using the network."""
         trt = self.trt
-        logger = _Logger(trt)
         builder = trt.Builder(logger)
-        network = builder.create_network(0)
-        parser = trt.OnnxParser(network, logger)
+        flags = 0
+        if self.name == "tensorrt" and hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED"):
+            flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+        network = builder.create_network(flags)
+        return builder, network, trt.OnnxParser(network, logger)
+
+    def support_report(self, model_bytes: bytes, model_path: str) -> SupportReport:
+        builder, network, parser = self.parser(_Logger(self.trt))  # noqa: F841 - alive while the parser works
         report = SupportReport()
         report.fully_supported = bool(parser.supports_model_v2(model_bytes, model_path))
         for i in range(parser.num_subgraphs):
@@ -161,11 +168,8 @@ class Backend:
 
     def parse_errors(self, model_bytes: bytes, model_path: str = "") -> list[dict]:
         """A full parse (what the builder will see); [] when it parses, else the parser's errors."""
-        trt = self.trt
-        logger = _Logger(trt)
-        builder = trt.Builder(logger)
-        network = builder.create_network(0)
-        parser = trt.OnnxParser(network, logger)
+        logger = _Logger(self.trt)
+        builder, network, parser = self.parser(logger)  # noqa: F841 - alive while the parser works
         if parser.parse(model_bytes, model_path):
             return []
         errs = [parser.get_error(i) for i in range(parser.num_errors)]
@@ -178,12 +182,7 @@ class Backend:
         """Parse an ONNX file (strongly typed) and build a serialized engine with all profiles."""
         trt = self.trt
         logger = _Logger(trt)
-        builder = trt.Builder(logger)
-        flags = 0
-        if self.name == "tensorrt" and hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED"):
-            flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
-        network = builder.create_network(flags)
-        parser = trt.OnnxParser(network, logger)
+        builder, network, parser = self.parser(logger)
         if not parser.parse_from_file(model_path):
             errs = [parser.get_error(i) for i in range(parser.num_errors)]
             detail = "; ".join(f"node {e.node_name() or e.node()} ({e.node_operator()}): {clean_message(e.desc())}"

@@ -106,12 +106,7 @@ def _network(path: Path, profile: dict, backend):
                 d.Clear()
                 d.dim_value = int(v)
     logger = trt.Logger(trt.Logger.ERROR)
-    builder = trt.Builder(logger)
-    flags = 0
-    if backend.name == "tensorrt" and hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED"):
-        flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
-    network = builder.create_network(flags)
-    parser = trt.OnnxParser(network, logger)
+    builder, network, parser = backend.parser(logger)
     if not parser.parse(model.SerializeToString(), str(path)):
         errs = "; ".join(parser.get_error(i).desc() for i in range(parser.num_errors))[:300]
         raise StageError(f"the precision profile could not parse the graph at the opt shape: {errs}",
