@@ -385,6 +385,8 @@ def _calibrate(model_path: Path, feeds, method: str, work: Path, on_sample=None)
         with contextlib.redirect_stdout(io.StringIO()):
             cal = create_calibrator(model_path, list(QUANT_OPS + RESIDUAL_OPS), augmented_model_path=str(work / "augmented.onnx"),
                                     calibrate_method=cm, extra_options=opts)
+            if cm == CalibrationMethod.Percentile:
+                cal.collector = _histogram_collector(cal)
             for i, feed in enumerate(feeds):
                 cal.collect_data(_OneFeed(feed))
                 if on_sample is not None:
@@ -399,6 +401,31 @@ def _calibrate(model_path: Path, feeds, method: str, work: Path, on_sample=None)
         raise StageError(f"calibration ({method}) failed on feeds {', '.join(shapes)}: {type(e).__name__}: "
                          f"{str(e).splitlines()[0][:300] if str(e) else ''}", stage=STAGE, file=str(model_path),
                          fix="check that the feeds match the model's inputs") from e
+
+
+def _histogram_collector(cal):
+    """ORT's histogram of |x|, with every histogram starting at 0 as TensorRT's does (2048 bins over [0, amax]).
+
+    ORT bins a tensor's first sample over [min|x|, max|x|]: for a nearly constant tensor (|x| within a few float32
+    steps of one value, e.g. a bias-like Add input of a Caffe2-era ResNet-50) numpy cannot make 2048 distinct bins
+    there and calibration stops ("Too many bins for data range"); and the entropy search assumes bins from 0."""
+    from onnxruntime.quantization.calibrate import HistogramCollector
+
+    class AbsHistogram(HistogramCollector):
+        def collect(self, name_to_arr):
+            tiny = np.finfo(np.float32).tiny * 2 * self.num_bins  # below this |x| is no range at all: all zeros
+            out = {}
+            for name, arrs in name_to_arr.items():
+                out[name] = []
+                for a in (arrs if isinstance(arrs, list) else [arrs]):
+                    a = np.ravel(a)
+                    if a.size and np.nanmax(np.abs(a)) < tiny:
+                        a = np.zeros_like(a)
+                    out[name].append(np.append(a, np.zeros(1, a.dtype)))  # one 0: the first bin edge is 0
+            return self.collect_absolute_value(out)
+
+    return AbsHistogram(method=cal.method, symmetric=cal.symmetric, num_bins=cal.num_bins,
+                        num_quantized_bins=cal.num_quantized_bins, percentile=cal.percentile, scenario=cal.scenario)
 
 
 _RANGES_MEMO: dict[str, object] = {}

@@ -319,3 +319,16 @@ def test_impossible_budget_raises_accuracy_error(tiny):
     with pytest.raises(AccuracyError, match="fp16 graph without any Q/DQ already gives cosine 0.99999"):
         qdq_from_onnx(path, feeds, d / "never.onnx", min_cosine=1.0)  # fp16 rounding alone misses a budget of 1
     assert not (d / "never.onnx").exists()
+
+
+def test_nearly_constant_tensor_calibrates(tiny):
+    """|x| within a float32 step of 1000: numpy cannot make 2048 bins over [min|x|, max|x|] (ORT's first histogram);
+    the histogram starts at 0 as TensorRT's does, so the range is simply amax."""
+    path, _, d = tiny
+    rng = np.random.default_rng(4)
+    x = (1000 + rng.integers(0, 2, (1, 3, 8, 8)) * np.float32(6.1e-5)).astype(np.float32)
+    assert len(np.unique(x)) == 2
+    for method in ("entropy", "percentile"):
+        r = qdq_from_onnx(path, [{"x": x}], d / f"const_{method}.onnx", method=method, workdir=d / f"const_{method}")
+        ranges = load_tensors_data(str(r.files["calibration_cache"]))
+        assert float(ranges.data["x"].range_value[1]) == pytest.approx(1000.0, rel=1e-3), method
