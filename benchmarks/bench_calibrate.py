@@ -6,13 +6,24 @@ onnxruntime.quantization.quantize_static with the same samples, op types and opt
 (opset 13, constants folded). Rows: every layer quantized (no accuracy search), per method; the budget search is
 timed separately (the raw library has no equivalent).
 
-    .venv/bin/python benchmarks/bench_calibrate.py [--samples 8] [--size 640] [--quick]
+Second table, ranges vs ModelOpt (nvidia-modelopt 0.47.0, `modelopt.onnx.quantization.quantize`, int8, CPU
+calibration): the same prepared graph and the same samples, one per calibration step. For each method pair the
+activation amax each tool wrote into its graph (amax = QuantizeLinear scale * 127, symmetric int8, the tensor read
+through any Cast) is compared per tensor, and each tool's full-int8 graph (ours: every Conv/MatMul/Gemm plus residual
+Add inputs; ModelOpt: its default TensorRT placement) is scored by cosine to fp32 on held-out pages. ModelOpt runs in
+a child process: it patches ONNX Runtime's calibrators in the process that imports it.
+
+    .venv/bin/python benchmarks/bench_calibrate.py [--samples 8] [--size 640] [--quick] [--no-modelopt]
+    .venv/bin/pip install --no-deps -r benchmarks/modelopt-requirements.txt   # for the ModelOpt table
 """
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
+import importlib.util
 import io
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -23,10 +34,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tasks import calibrate as calibrate_mod  # noqa: E402
 from tasks.calibrate import qdq_from_onnx  # noqa: E402
 from tasks.export import onnx_from_model  # noqa: E402
 from tasks.samples import preprocess, render_text_image  # noqa: E402
 
+MODELOPT_INSTALL = ".venv/bin/pip install --no-deps -r benchmarks/modelopt-requirements.txt"
+# (ours, ModelOpt's name for it or None, ModelOpt's name of the method it is compared with)
+MODELOPT_PAIRS = (("entropy", "entropy"), ("minmax", "max"), ("percentile", "max"))
 DET = "pkg://rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx"
 RECIPE = {"channel_order": "BGR", "scale": 1 / 255, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225],
           "layout": "NCHW"}
@@ -73,6 +88,126 @@ def cosine(a: Path, b: Path, feeds) -> float:
     return worst
 
 
+def modelopt_quantize(prepared: str, out: str, data: str, shape: str, method: str, high_precision: str) -> float:
+    """In a child process: ModelOpt's int8 ONNX PTQ with calibration on ONNX Runtime's CPU provider; its seconds."""
+    import logging
+
+    import numpy as np
+    from modelopt.onnx.quantization import quantize
+
+    logging.disable(logging.ERROR)  # "Failed to get GPU count: NVML Shared Library Not Found" on a host without a GPU
+    calib = np.load(data)["x"]
+    t0 = time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        quantize(prepared, quantize_mode="int8", calibration_data=calib, calibration_shapes=shape,
+                 calibration_method=method, calibration_eps=["cpu"], high_precision_dtype=high_precision,
+                 output_path=out, log_level="ERROR")
+    return time.perf_counter() - t0
+
+
+def activation_amax(path: Path) -> dict[str, float]:
+    """{activation tensor: amax} from a Q/DQ graph's activation QuantizeLinear nodes (amax = scale * 127, symmetric
+    int8); a tensor reached through Cast nodes (the fp16 graphs' input casts) is named by the tensor before them."""
+    import onnx
+    from onnx import numpy_helper
+
+    g = onnx.load(str(path)).graph
+    values = {t.name: numpy_helper.to_array(t) for t in g.initializer}
+    values |= {n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in g.node if n.op_type == "Constant"}
+    casts = {n.output[0]: n.input[0] for n in g.node if n.op_type == "Cast"}
+    out = {}
+    for n in g.node:
+        if n.op_type == "QuantizeLinear" and n.input[0] not in values:
+            name = n.input[0]
+            while name in casts:
+                name = casts[name]
+            out.setdefault(name, float(np.asarray(values[n.input[1]], np.float64).max()) * 127.0)
+    return out
+
+
+def compare_ranges(ours: dict[str, float], theirs: dict[str, float]) -> dict:
+    common = sorted(set(ours) & set(theirs))
+    r = np.array([ours[k] / theirs[k] for k in common])
+    worst = sorted(common, key=lambda k: -abs(np.log(ours[k] / theirs[k])))[:5]
+    return {"ours": len(ours), "theirs": len(theirs), "common": len(common), "median": float(np.median(r)),
+            "min": float(r.min()), "max": float(r.max()), "within1": int((abs(r - 1) <= 0.01).sum()),
+            "within10": int((abs(r - 1) <= 0.10).sum()), "worst": [(k, ours[k], theirs[k]) for k in worst]}
+
+
+def modelopt_table(fp32: Path, feeds, held, tmp: Path, quick: bool, budget: Path | None) -> None:
+    """Our ranges and full-int8 graphs next to ModelOpt's on the same prepared graph and samples (printed)."""
+    np.savez(tmp / "calib.npz", x=np.concatenate([f["x"] for f in feeds]))
+    shape = "x:" + "x".join(str(d) for d in feeds[0]["x"].shape)
+    ours, theirs = {}, {}
+    for method in dict.fromkeys(m for m, _ in MODELOPT_PAIRS):
+        calibrate_mod._RANGES_MEMO.clear()  # time a fresh calibration, not the ranges memo of the first table
+        r = qdq_from_onnx(fp32, feeds, tmp / f"ours_fp32_{method}.onnx", method=method, eval_feeds=held,
+                          workdir=tmp / f"mo_work_{method}", high_precision="fp32")
+        ours[method] = {"path": r.files["onnx"], "seconds": r.metrics["calibrate_seconds"],
+                        "cosine": r.metrics["calibrate_cosine_all"]}
+    prepared = r.files["fp32_prepared"]
+    runs = [(m, "fp32") for m in dict.fromkeys(m for _, m in MODELOPT_PAIRS)] + ([] if quick else [("entropy", "fp16")])
+    spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: ModelOpt patches ORT's calibrators on import
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
+        for method, hp in runs:
+            out = tmp / f"modelopt_{method}_{hp}.onnx"
+            try:
+                secs = pool.submit(modelopt_quantize, str(prepared), str(out), str(tmp / "calib.npz"), shape, method,
+                                   hp).result()
+                theirs[(method, hp)] = {"path": out, "seconds": secs, "cosine": cosine(prepared, out, held)}
+            except Exception as e:  # noqa: BLE001 - reported, not hidden
+                theirs[(method, hp)] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"}
+    print(f"\nranges vs ModelOpt {_version('nvidia-modelopt')} (int8 ONNX PTQ, calibration_eps=['cpu']), "
+          f"same prepared graph, same {len(feeds)} samples at {shape}, cosine to fp32 (ORT CPU) on {len(held)} "
+          f"held-out pages, Q/DQ graphs with the rest in fp32:")
+    for m, hp in runs:
+        if "error" in theirs[(m, hp)]:
+            print(f"  ModelOpt {m} ({hp}) FAILED on this host: {theirs[(m, hp)]['error']}")
+    print(f"{'ours vs ModelOpt':<32} {'tensors':>15} {'median':>7} {'min':>6} {'max':>6} {'<=1%':>5} {'<=10%':>6} "
+          f"{'cos ours':>9} {'cos MO':>8} {'s ours':>7} {'s MO':>6}")
+    rows = [(f"{om} vs {mm}" + (" (MO has none)" if om == "percentile" else ""), ours[om], theirs[(mm, "fp32")])
+            for om, mm in MODELOPT_PAIRS]
+    rows.append(("MO entropy vs MO max (MO's own)", theirs[("entropy", "fp32")], theirs[("max", "fp32")]))
+    worst = []
+    for label, a, b in rows:
+        if "error" in a or "error" in b:
+            continue
+        c = compare_ranges(activation_amax(a["path"]), activation_amax(b["path"]))
+        worst.append((label, c))
+        print(f"{label:<32} {c['common']:>3} of {c['ours']:>3}/{c['theirs']:<3} {c['median']:>7.3f} {c['min']:>6.3f} "
+              f"{c['max']:>6.3f} {c['within1']:>5} {c['within10']:>6} {a['cosine']:>9.4f} {b['cosine']:>8.4f} "
+              f"{a['seconds']:>7.1f} {b['seconds']:>6.1f}")
+    for label, c in worst:
+        if c["within1"] == c["common"]:
+            print(f"  {label}: all {c['common']} within 1%")
+            continue
+        print(f"  {label}, the 5 largest differences (amax left, right, ratio):")
+        for k, a, b in c["worst"]:
+            print(f"    {k:<40} {a:>10.4g} {b:>10.4g}  {a / b:>6.3f}x")
+    t = theirs[("entropy", "fp32")]
+    if budget is not None and "error" not in t:
+        c = compare_ranges(activation_amax(budget), activation_amax(t["path"]))
+        print(f"  our default (accuracy budget 0.99, ranges chosen per tensor, int8 layers only) vs ModelOpt entropy: "
+              f"{c['common']} tensors, median {c['median']:.3f}, min {c['min']:.3f}, max {c['max']:.3f}, "
+              f"{c['within1']} within 1%, {c['within10']} within 10%")
+    t = theirs.get(("entropy", "fp16"))
+    if t and "error" not in t:
+        print(f"  each tool's default remainder in fp16 (ours: high_precision=fp16, ModelOpt: high_precision_dtype=fp16), "
+              f"entropy: ModelOpt cosine {t['cosine']:.4f} in {t['seconds']:.1f} s (ours in the first table)")
+    print("  tensors: compared of left/right's activation Q; ratio = left amax / right's; ModelOpt int8 has no "
+          "percentile calibrator (any calibration_method other than 'entropy' is MinMax); s = seconds of the whole "
+          "quantization call (ours: prepare + calibrate + Q/DQ + accuracy check)")
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "not installed"
+
+
 def main() -> int:
     import logging
 
@@ -80,7 +215,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--size", type=int, default=640)
-    ap.add_argument("--quick", action="store_true", help="skip ORT's 2048-bin entropy (about 90 s) and the budget search")
+    ap.add_argument("--quick", action="store_true", help="skip ORT's 2048-bin entropy (about 90 s), the budget search "
+                    "and ModelOpt's fp16 run")
+    ap.add_argument("--no-modelopt", action="store_true", help="skip the ranges vs ModelOpt table")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     feeds = [{"x": preprocess([render_text_image(args.size, args.size, rng)], RECIPE)} for _ in range(args.samples)]
@@ -109,21 +246,31 @@ def main() -> int:
         search = None
         if not args.quick:
             t0 = time.perf_counter()
-            r = qdq_from_onnx(fp32, feeds, tmp / "budget.onnx", method="entropy", min_cosine=0.99, eval_feeds=held,
+            r = qdq_from_onnx(fp32, feeds, tmp / "budget.onnx", min_cosine=0.99, eval_feeds=held,
                               workdir=tmp / "work_budget")
-            search = (time.perf_counter() - t0, r.metrics["quantized_layers"], r.metrics["calibrate_cosine_min"])
-    print(f"PP-OCRv4 det, {args.samples} text-image samples at 1x3x{args.size}x{args.size}, 2 held-out for cosine, "
-          f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
-    print(f"{'what':<70} {'trtforge s':>10} {'raw s':>8} {'ratio':>6} {'cos ours':>9} {'cos raw':>8}")
-    for what, ours, raw, c1, c2 in rows:
-        cells = [f"{ours:>10.2f}", f"{raw:>8.2f}" if raw else f"{'':>8}", f"{ours / raw:>5.2f}x" if raw else f"{'':>6}",
-                 f"{c1:>9.4f}" if c1 is not None else f"{'':>9}", f"{c2:>8.4f}" if c2 is not None else f"{'':>8}"]
-        print(f"{what:<70} " + " ".join(cells))
-    if search:
-        print(f"accuracy budget 0.99 (sensitivity ranking + search, no raw equivalent): {search[0]:.1f} s total, "
-              f"{search[1]}/62 layers int8, cosine {search[2]:.4f}")
-    print("trtforge's time includes preparing the graph (opset 13, constant folding) and its accuracy check; "
-          "ORT's default entropy (128 bins) has one candidate range, i.e. it is min/max.")
+            choice = r.details["range_choice"]
+            search = (time.perf_counter() - t0, r.metrics["quantized_layers"], r.metrics["calibrate_cosine_min"],
+                      {m: list(choice.values()).count(m) for m in sorted(set(choice.values()))}, r.files["onnx"])
+        print(f"PP-OCRv4 det, {args.samples} text-image samples at 1x3x{args.size}x{args.size}, 2 held-out for cosine, "
+              f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
+        print(f"{'what':<70} {'trtforge s':>10} {'raw s':>8} {'ratio':>6} {'cos ours':>9} {'cos raw':>8}")
+        for what, ours, raw, c1, c2 in rows:
+            cells = [f"{ours:>10.2f}", f"{raw:>8.2f}" if raw else f"{'':>8}", f"{ours / raw:>5.2f}x" if raw else f"{'':>6}",
+                     f"{c1:>9.4f}" if c1 is not None else f"{'':>9}", f"{c2:>8.4f}" if c2 is not None else f"{'':>8}"]
+            print(f"{what:<70} " + " ".join(cells))
+        if search:
+            print(f"accuracy budget 0.99, default ranges (entropy, percentile/amax where that loses less; sensitivity "
+                  f"ranking + search, no raw equivalent): {search[0]:.1f} s total, {search[1]}/62 layers int8, cosine "
+                  f"{search[2]:.4f}, ranges switched {search[3] or 'none'}")
+        print("trtforge's time includes preparing the graph (opset 13, constant folding) and its accuracy check; "
+              "ORT's default entropy (128 bins) has one candidate range, i.e. it is min/max.")
+        if args.no_modelopt:
+            pass
+        elif importlib.util.find_spec("modelopt") is None:
+            print(f"\nranges vs ModelOpt: skipped, nvidia-modelopt is not installed (not a trtforge dependency). "
+                  f"Install it with:\n    {MODELOPT_INSTALL}")
+        else:
+            modelopt_table(fp32, feeds, held, tmp, args.quick, search[4] if search else None)
     return 0
 
 

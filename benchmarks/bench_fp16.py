@@ -1,6 +1,7 @@
 """trtforge's fp16 conversion (`tasks.precision.fp16_from_onnx`) next to ModelOpt AutoCast on the zoo's ONNX models.
 
-    .venv/bin/python benchmarks/bench_fp16.py [--models a,b]     # needs: pip install nvidia-modelopt[onnx]
+    .venv/bin/python benchmarks/bench_fp16.py [--models a,b]
+    .venv/bin/pip install --no-deps -r benchmarks/modelopt-requirements.txt   # ModelOpt, not a trtforge dependency
 
 For each model of benchmarks/zoo/ (format onnx, package installed): the exported, sanitized fp32 graph (what the
 build stage converts), then both converters on it: conversion seconds, the lowest cosine of any output to fp32 in
