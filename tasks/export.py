@@ -64,7 +64,8 @@ def onnx_from_model(model_cfg: Any, profiles: list[dict], out_path: Path, search
     if any(quant.values()):  # the model as shipped is the reference; TensorRT gets what it can take
         files["reference"] = out_path.with_name("shipped.onnx")
         save_onnx(model, files["reference"])
-        model, stats = trt_from_prequantized(model, bool(model_cfg.get("dequantize_dynamic")))
+        model, stats = trt_from_prequantized(model, bool(model_cfg.get("dequantize_dynamic")),
+                                             model_cfg.get("asymmetric") or "int8")
         details["prequantized"] = {**quant, **stats}
         metrics.update(quantized_layers=stats["quantized_layers"], fallback_layers=stats["fallback_layers"])
     save_onnx(model, out_path)
