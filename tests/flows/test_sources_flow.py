@@ -50,6 +50,8 @@ def test_static_uint8_model_builds_as_is_without_calibration(prefect_harness, so
     assert s["engine"]["file"].endswith(".int8.engine")
     # validated against the model as shipped (ONNX Runtime): the asymmetric pairs feeding the convs are int8 with the
     # step widened to cover their range, the output's pair runs in float
+    pairs = json.loads((Path(s["out_dir"]) / "prequant.json").read_text())["pairs"]  # what became of each tensor's pair
+    assert sorted(p["kind"] for p in pairs.values()) == ["float", "requantized", "requantized"]
     v = json.loads((Path(s["out_dir"]) / "validation.json").read_text())
     assert s["metrics"]["cosine_min"] > 0.999, v
 
