@@ -84,24 +84,25 @@ def trt_from_prequantized(model: onnx.ModelProto, dequantize_dynamic: bool = Fal
     model, upgraded = _per_channel_opset(model)
     g = model.graph
     inits = {i.name: i for i in g.initializer}
-    stats = {"opset_upgraded": upgraded, "folded_constants": 0, "int8_from_uint8": 0, "kept_pairs": 0, "requantized_pairs": 0,
-             "high_precision_pairs": 0, "requantized_weights": 0, "dequantized_dynamic": 0}
+    stats = {"opset_upgraded": upgraded, "folded_constants": 0, "int8_from_uint8": 0, "kept_pairs": 0,
+             "requantized_pairs": 0, "high_precision_pairs": 0, "requantized_weights": 0, "dequantized_dynamic": 0}
     stats["qlinear_rewritten"] = _qdq_from_qlinear(model, inits)
     stats["quantized_constants"] = _constants_from_quantized_constants(g, inits)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     producers = {o: n for n in g.node for o in n.output}
-    pairs: dict[str, dict] = {}  # tensor -> what became of its pair (exact, requantized with the widening, float)
+    pairs: dict[str, dict] = {}  # tensor -> what became of its pair (kept, exact, requantized with its widening, float)
     readers: dict[str, list] = {}
     for n in g.node:
         for i in n.input:
             readers.setdefault(i, []).append(n)
+
     def feeds_layer(q) -> bool:  # the pair quantizes an input of a Conv/MatMul/Gemm: TensorRT's int8 layers need it
-        return asymmetric == "int8" and any(r.op_type in LAYERS for dq in readers.get(q.output[0], []) if dq.op_type == "DequantizeLinear"
-                   for r in readers.get(dq.output[0], []))
+        dqs = [d for d in readers.get(q.output[0], []) if d.op_type == "DequantizeLinear"]
+        return asymmetric == "int8" and any(r.op_type in LAYERS for d in dqs for r in readers.get(d.output[0], []))
 
     # activation pairs: Q -> DQ on a tensor computed at run time
     dropped: set[str] = set()  # tensors whose pair was removed: they stay float
-    converted: dict[int, tuple[str, str, str]] = {}  # id(Q) -> (stats key, its new scale, zero point): a Q may feed several DQs
+    converted: dict[int, tuple[str, str, str]] = {}  # id(Q) -> (stats key, new scale, zero point): a Q feeds several DQs
     for dq in [n for n in g.node if n.op_type == "DequantizeLinear" and n.input[0] not in inits]:
         q = producers.get(dq.input[0])
         if q is None or q.op_type != "QuantizeLinear":
@@ -114,6 +115,7 @@ def trt_from_prequantized(model: onnx.ModelProto, dequantize_dynamic: bool = Fal
             stats[key] += 1
         elif zp is not None and (_is_fp8(zp) or (zp.dtype == np.int8 and not zp.any())):
             stats["kept_pairs"] += 1
+            pairs[tensor] = {"kind": "kept"}
         elif zp is not None and zp.dtype == np.uint8 and (zp == 128).all() and _same_params(q, dq):
             zname = _unique(q.input[2] + "_int8", inits)
             _add(g, inits, zname, np.zeros(zp.shape, np.int8))
@@ -154,7 +156,8 @@ def trt_from_prequantized(model: onnx.ModelProto, dequantize_dynamic: bool = Fal
             stats["int8_from_uint8"] += 1
         elif _is_fp8(data) or (data.dtype == np.int8 and (zp is None or not zp.any())):
             pass
-        elif asymmetric == "int8" and consumers and all(_weight_of(c, dq.output[0]) for c in consumers) and _symmetric_int8_weights(g, dq, inits, consumers, opset >= 13):
+        elif (asymmetric == "int8" and consumers and all(_weight_of(c, dq.output[0]) for c in consumers)
+              and _symmetric_int8_weights(g, dq, inits, consumers, per_channel=opset >= 13)):
             stats["requantized_weights"] += 1
         else:
             name = _unique(dq.output[0] + "_float", inits)  # int32 bias, other zero points, 16-bit: float constants
@@ -381,6 +384,7 @@ def _symmetric_int8_weights(g, dq, inits, readers: list, per_channel: bool) -> b
     if axis is not None:
         dq.attribute.append(onnx.helper.make_attribute("axis", axis))
     return True
+
 
 def _float_fed_nodes(g, inits, dropped: set[str]) -> set[int]:
     """Nodes with a run-time input that is not quantized (it comes from no DQ, or from a removed pair)."""
