@@ -72,8 +72,9 @@ def describe(q: dict) -> str:
 def accuracy_fix(q: dict) -> str:
     """How to fix a build below its accuracy budget; a model whose asymmetric pairs were requantized can run them in float."""
     if q.get("requantized_pairs") or q.get("requantized_weights"):
-        return ("model.asymmetric=float runs the requantized asymmetric pairs in float (closer to the model as shipped, "
-                "not int8 there), or lower accuracy.min_cosine if that loss is acceptable")
+        return ("its asymmetric pairs were requantized to symmetric int8, a different rounding than the model as shipped: "
+                "lower accuracy.min_cosine if that agreement is acceptable, or try model.asymmetric=float (those pairs "
+                "in float, not int8)")
     return "use a higher precision, or lower accuracy.min_cosine if that loss is acceptable"
 
 
