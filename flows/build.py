@@ -74,7 +74,7 @@ def publish(ctx: stages.BuildContext) -> dict:
         for key, fname in (("partition", "partition.json"), ("graph", "partition.png"), ("validation", "validation.json"),
                            ("benchmark", "benchmark.json"), ("sensitivity", "sensitivity.json"),
                            ("sensitivity_plot", "sensitivity.png"), ("precision_profile", "precision_profile.json"),
-                           ("precision_profile_plot", "precision_profile.png")):
+                           ("precision_profile_plot", "precision_profile.png"), ("prequant", "prequant.json")):
             if key in r.files:
                 (tmp / fname).write_bytes(Path(r.files[key]).read_bytes())
     data = {key: ctx.results[stage].details["data"] for key, stage in (("calibration", "calibrate"), ("validation", "validate"))

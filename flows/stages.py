@@ -142,7 +142,7 @@ def export(ctx: BuildContext) -> StageResult:
     m = ctx.c("model")
     parts = {"source": source_fingerprint(m, ctx.facts["search"]), "format": m["format"], "factory": m["factory"],
              "inputs": m["inputs"], "opset": m["opset"], "profiles": ctx.facts["profiles"] if m["format"] == "torch" else None,
-             "dequantize_dynamic": m["dequantize_dynamic"]}
+             "dequantize_dynamic": m["dequantize_dynamic"], "asymmetric": m["asymmetric"]}
 
     def work(d: Path) -> StageResult:
         r = onnx_from_model(m, ctx.facts["profiles"], d / "model.onnx", ctx.facts["search"], paddle_cache(ctx.cfg))
@@ -521,10 +521,16 @@ def validate(ctx: BuildContext) -> StageResult:
         e = AccuracyError(f"output {worst!r} has cosine {r.metrics['cosine_min']:.6f} to {reference_label} "
                           f"({r.metrics['cosine_source']}), below "
                           f"accuracy.min_cosine={ctx.cfg.accuracy.min_cosine}", stage="validate", file=label,
-                          fix="use a higher precision, or lower accuracy.min_cosine if that loss is acceptable")
+                          fix=_accuracy_fix(ctx))
         e.result = r
         raise e
     return r
+
+
+def _accuracy_fix(ctx: BuildContext) -> str:
+    from tasks.prequant import accuracy_fix
+
+    return accuracy_fix(prequantized(ctx) or {})
 
 
 def benchmark(ctx: BuildContext) -> StageResult:

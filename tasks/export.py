@@ -10,7 +10,7 @@ from typing import Any
 
 from .errors import ConfigError, StageError
 from .models import graph_io, load_onnx, resolve_source
-from .util import StageResult, sha256_file
+from .util import StageResult, sha256_file, write_json
 
 MAX_PROTO = 1_800_000_000  # above this, weights go to a side file (protobuf's 2 GB limit)
 
@@ -64,8 +64,10 @@ def onnx_from_model(model_cfg: Any, profiles: list[dict], out_path: Path, search
     if any(quant.values()):  # the model as shipped is the reference; TensorRT gets what it can take
         files["reference"] = out_path.with_name("shipped.onnx")
         save_onnx(model, files["reference"])
-        model, stats = trt_from_prequantized(model, bool(model_cfg.get("dequantize_dynamic")))
+        model, stats = trt_from_prequantized(model, bool(model_cfg.get("dequantize_dynamic")),
+                                             model_cfg.get("asymmetric") or "int8")
         details["prequantized"] = {**quant, **stats}
+        files["prequant"] = write_json(out_path.with_name("prequant.json"), details["prequantized"])  # per tensor
         metrics.update(quantized_layers=stats["quantized_layers"], fallback_layers=stats["fallback_layers"])
     save_onnx(model, out_path)
     ins, outs = graph_io(model)

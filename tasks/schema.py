@@ -56,6 +56,9 @@ class ModelConfig:
     # a model quantized dynamically (DynamicQuantizeLinear, ConvInteger, MatMulInteger): those parts run in ONNX Runtime,
     # or with true become float MatMul/Conv on the dequantized weights (then TensorRT can take them)
     dequantize_dynamic: bool = False
+    # a model that arrives with asymmetric Q/DQ (uint8 zero point != 128, int8 with a zero point): int8 requantizes the
+    # pairs feeding Conv/MatMul/Gemm to symmetric int8 (TensorRT takes no zero point); float runs them in float
+    asymmetric: str = "int8"
 
 
 @dataclass

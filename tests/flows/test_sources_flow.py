@@ -43,10 +43,15 @@ def test_static_uint8_model_builds_as_is_without_calibration(prefect_harness, so
     s = build(["model=static_u8", "precision=int8", "stages.benchmark=false"], sources_dir, tmp_path)
     assert s["status"] == "ok", s.get("error")
     assert stages(s)["calibrate"] == "skipped"
-    assert s["stages"]["calibrate"]["reason"] == "the model is already quantized (6 Q/DQ pairs)"
+    assert s["stages"]["calibrate"]["reason"] == ("the model is already quantized (6 Q/DQ pairs; 2 asymmetric pairs "
+                                                  "requantized to symmetric int8, step widened up to x2.0; 1 pair runs in float)")
+    assert s["metrics"]["quantized_layers"] == 2 and s["metrics"]["fallback_layers"] == 0
     assert s["stages"]["validate"]["reference"] == "the model as shipped"
     assert s["engine"]["file"].endswith(".int8.engine")
-    # validated against the model as shipped (ONNX Runtime): the asymmetric pairs run in float, clamped to their range
+    # validated against the model as shipped (ONNX Runtime): the asymmetric pairs feeding the convs are int8 with the
+    # step widened to cover their range, the output's pair runs in float
+    pairs = json.loads((Path(s["out_dir"]) / "prequant.json").read_text())["pairs"]  # what became of each tensor's pair
+    assert sorted(p["kind"] for p in pairs.values()) == ["float", "requantized", "requantized"]
     v = json.loads((Path(s["out_dir"]) / "validation.json").read_text())
     assert s["metrics"]["cosine_min"] > 0.999, v
 
