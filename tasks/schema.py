@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
@@ -56,6 +56,9 @@ class ModelConfig:
     # a model quantized dynamically (DynamicQuantizeLinear, ConvInteger, MatMulInteger): those parts run in ONNX Runtime,
     # or with true become float MatMul/Conv on the dequantized weights (then TensorRT can take them)
     dequantize_dynamic: bool = False
+    # inputs bound to a fixed value (e.g. {sr: 16000}): export makes them initializers and folds the If nodes they
+    # decide; they are no model inputs any more (no profile, no data), and the engine is specialised for them
+    constants: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
