@@ -140,7 +140,8 @@ def calibration_data(name: str, form: str, folder: Path, samples: int = CALIBRAT
         model = load_source(name)
         if model is None:
             return None
-        specs = {t.name: (t.dtype, opt.get(t.name, t.shape)) for t in graph_io(model)[0]}
+        bound = cfg.get("constants") or {}  # model.constants: no input any more, so no data
+        specs = {t.name: (t.dtype, opt.get(t.name, t.shape)) for t in graph_io(model)[0] if t.name not in bound}
     if any(not all(isinstance(d, int) and d > 0 for d in shape) for _, shape in specs.values()):
         return None  # a dynamic input without a profile
     varying = {k: [i for i, (lo, hi) in enumerate(zip(r["min"], r["max"])) if lo != hi]

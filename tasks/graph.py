@@ -364,7 +364,7 @@ def fold_ifs(model: onnx.ModelProto) -> list[str]:
         node = g.node[i]
         if node.op_type == "If" and node.domain in ("", "ai.onnx") and node.input[0] in values:
             cond = bool(numpy_helper.to_array(values[node.input[0]]).reshape(-1)[0])
-            name = node.name or f"If {node.output[0]!r}"
+            name = node.name or f"(output {node.output[0]!r})"
             n_branch = len(next(a.g for a in node.attribute if a.name == ("then_branch" if cond else "else_branch")).node)
             why = inline_if(g, i, cond)
             if why:
