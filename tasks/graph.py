@@ -279,7 +279,7 @@ def fold_constant_nodes(model: onnx.ModelProto) -> int:
             elif node.op_type == "Gather" and node.input[0] in partial and node.input[1] in values:
                 picked = np.take(partial[node.input[0]], values[node.input[1]].astype(np.int64))  # the static dims read
                 out = [picked] if (picked >= 0).all() else None
-            elif node.input and all(i in values for i in node.input if i):
+            elif node.input and all(i in values and values[i].size <= FOLD_MAX_ELEMENTS for i in node.input if i):
                 out = _evaluate(node, values, opsets)
         if out is None or len(out) != len([o for o in node.output if o]) or any(
                 np.asarray(a).size > FOLD_MAX_ELEMENTS for a in out):
@@ -296,8 +296,8 @@ def fold_constant_nodes(model: onnx.ModelProto) -> int:
 
 
 def inline_if(g: onnx.GraphProto, index: int, taken: bool) -> str | None:
-    """Replace the If node at `index` by the nodes and initializers of its taken branch, the branch outputs wired to
-    the If's outputs by Identity. A branch value whose name is already used elsewhere is renamed first.
+    """Replace the If node at `index` by the nodes and initializers of its taken branch, the branch outputs renamed to
+    (or wired by Identity to) the If's outputs. A branch value whose name is already used elsewhere is renamed first.
     Returns a reason when the node cannot be inlined."""
     node = g.node[index]
     branch = next((a.g for a in node.attribute if a.name == ("then_branch" if taken else "else_branch")), None)
@@ -316,8 +316,13 @@ def inline_if(g: onnx.GraphProto, index: int, taken: bool) -> str | None:
                 new, k = f"{n}__inlined{k}", k + 1
             mapping[n] = new
         rename_values(body, mapping)
+    # a branch output made by a branch node takes the If output's name; others (outer values, initializers, an output
+    # given twice) are wired by Identity
+    made = {o for n in body.node for o in n.output if o}
+    outs = [b.name for b in body.output]
+    rename_values(body, {b: o for b, o in zip(outs, node.output) if o and b in made and outs.count(b) == 1})
     wires = [helper.make_node("Identity", [b.name], [o], name=f"{node.name or 'If'}_out{i}")
-             for i, (b, o) in enumerate(zip(body.output, node.output)) if o]
+             for i, (b, o) in enumerate(zip(body.output, node.output)) if o and b.name != o]
     g.initializer.extend(body.initializer)
     nodes = list(g.node)
     nodes[index:index + 1] = list(body.node) + wires

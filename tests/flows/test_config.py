@@ -136,3 +136,10 @@ def test_constants_are_checked_against_the_inputs(if_conf, overrides, words):
 def test_bound_inputs_are_no_inputs_for_profiles_and_data(if_conf):
     facts = preflight(compose_config(["model=vad"], if_conf), if_conf)
     assert [i.name for i in facts["inputs"]] == ["x"] and list(facts["profiles"][0]) == ["x"]
+
+
+def test_the_build_key_includes_the_constants(if_conf):
+    from flows.cache import build_key
+
+    keys = {build_key(compose_config(["model=vad", *o], if_conf), if_conf) for o in ([], ["model.constants.mode=8000"])}
+    assert len(keys) == 2
