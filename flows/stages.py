@@ -189,13 +189,12 @@ def _plan(ctx: BuildContext, partition_cfg: dict) -> StageResult:
     return r
 
 
-CONTROL_FLOW = ("If", "Loop", "Scan")
-
-
 def _replan_without_control_flow(ctx: BuildContext, error: TrtforgeError) -> bool:
     """TensorRT can parse control flow and still fail to build it (an internal assertion, not a parser verdict).
     Then run the control-flow nodes natively, as a parser rejection would, and say so. False when that cannot help."""
     import onnx
+
+    from tasks.graph import CONTROL_FLOW
 
     if not ctx.cfg.partition.control_flow_fallback:
         return False

@@ -176,6 +176,8 @@ def array_from_constant(name: str, value: Any, dtype: str, shape: list) -> np.nd
 
 def _example(dtype: str, shape: list) -> str:
     one = "1" if np.dtype(dtype).kind in "iub" else "1.0"
+    if np.prod([d if isinstance(d, int) else 1 for d in shape]) > 8:
+        return f"<a nested list of shape {list(shape)}>"
     for d in reversed(shape):
         one = "[" + ", ".join([one] * (d if isinstance(d, int) else 1)) + "]"
     return one
@@ -199,6 +201,8 @@ def bind_inputs(model: onnx.ModelProto, constants: dict[str, Any]) -> list[str]:
         notes.append(f"input {inp.name!r} bound to {constants[inp.name]!r} (model.constants)")
     del g.input[:]
     g.input.extend(keep)
+    found = {t.name for t in g.initializer}
+    notes += [f"WARNING: model.constants.{n} names no input of the exported model" for n in constants if n not in found]
     return notes
 
 
@@ -367,10 +371,11 @@ def fold_ifs(model: onnx.ModelProto) -> list[str]:
     i = 0
     while i < len(g.node):
         node = g.node[i]
-        if node.op_type == "If" and node.domain in ("", "ai.onnx") and node.input[0] in values:
+        if node.op_type == "If" and node.domain in ("", "ai.onnx") and node.input[0] in values and \
+                numpy_helper.to_array(values[node.input[0]]).size == 1:
             cond = bool(numpy_helper.to_array(values[node.input[0]]).reshape(-1)[0])
             name = node.name or f"(output {node.output[0]!r})"
-            n_branch = len(next(a.g for a in node.attribute if a.name == ("then_branch" if cond else "else_branch")).node)
+            n_branch = sum(len(a.g.node) for a in node.attribute if a.name == ("then_branch" if cond else "else_branch"))
             why = inline_if(g, i, cond)
             if why:
                 notes.append(f"WARNING: If {name} not folded: {why}")
@@ -411,7 +416,7 @@ def specialise(model: onnx.ModelProto, constants: dict[str, Any], profiles: list
     for _ in range(100):  # each round inlines at least one If; nested Ifs surface one level per round
         fold_constant_nodes(model)
         done = fold_ifs(model)
-        notes += done
+        notes += [n for n in done if n not in notes]
         if not any(not n.startswith("WARNING") for n in done):
             break
     fold_constants(model.graph)
