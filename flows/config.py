@@ -207,6 +207,7 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> dict[str, Any]:
                   for n, s in m.inputs.items()]
         outputs = []
         model = None
+    inputs = bind_constants(cfg, inputs)
     if p.quantized and not cal.data and m.images is None and not facts.get("prequantized"):
         raise ConfigError(f"precision={p.name} needs calibration data: calibration.data is not set and model {m.name} has no images recipe",
                           fix="set calibration.data=path/to/samples.npz (or a folder of .npz/.npy, one array per input name)")
@@ -224,6 +225,29 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> dict[str, Any]:
             facts[key], record = load_data(path, inputs, profiles, key, limit=limit, rules=rules)
             facts[key + ".sha256"], facts[key + ".record"] = record.sha256, record
     return facts
+
+
+def bind_constants(cfg: DictConfig, inputs: list) -> list:
+    """model.constants: each names an input and fits its dtype and shape; no profile covers a bound input. Returns
+    the inputs that remain (what profiles, data, validation and benchmarks see)."""
+    from tasks.graph import array_from_constant
+
+    constants = OmegaConf.to_container(cfg.model.constants)
+    by_name = {i.name: i for i in inputs}
+    for name, value in constants.items():
+        if name not in by_name:
+            near = difflib.get_close_matches(name, list(by_name), n=1)
+            raise ConfigError(f"model.constants.{name}={value!r}: the model has no input {name!r}"
+                              + (f" (did you mean {near[0]!r}?)" if near else ""),
+                              fix=f"bind one of its inputs: {', '.join(by_name)}")
+        i = by_name[name]
+        array_from_constant(name, value, i.dtype, i.shape)
+    for k, prof in enumerate(cfg.model.profiles):
+        for name in prof:
+            if name in constants:
+                raise ConfigError(f"model.profiles[{k}].{name}: input {name!r} is bound by model.constants.{name}, so it "
+                                  "has no shape to profile", fix=f"remove {name!r} from model.profiles[{k}]")
+    return [i for i in inputs if i.name not in constants]
 
 
 def flat_params(cfg: DictConfig) -> dict[str, str]:

@@ -143,13 +143,25 @@ def export(ctx: BuildContext) -> StageResult:
     parts = {"source": source_fingerprint(m, ctx.facts["search"]), "format": m["format"], "factory": m["factory"],
              "inputs": m["inputs"], "opset": m["opset"], "profiles": ctx.facts["profiles"] if m["format"] == "torch" else None,
              "dequantize_dynamic": m["dequantize_dynamic"], "asymmetric": m["asymmetric"]}
+    if m["constants"]:  # bound inputs; dims every profile fixes are pinned for the folds
+        parts.update(constants=m["constants"], profiles=ctx.facts["profiles"])
 
     def work(d: Path) -> StageResult:
         r = onnx_from_model(m, ctx.facts["profiles"], d / "model.onnx", ctx.facts["search"], paddle_cache(ctx.cfg))
         r.details["onnx_sha256"] = sha256_file(r.files["onnx"])
         return r
 
-    return ctx.cached("export", parts, work)
+    r = ctx.cached("export", parts, work)
+    if m["constants"]:
+        warnings = ctx.stages.setdefault("export", {}).setdefault("warnings", [])
+        warnings.append(f"the engine is specialised for {bound_text(m['constants'])} (model.constants): those inputs "
+                        "are gone, and the fp32 reference is the model with them bound")
+        warnings += [n[len("WARNING: "):] for n in r.details.get("constants", []) if n.startswith("WARNING: ")]
+    return r
+
+
+def bound_text(constants: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in constants.items())
 
 
 def partition(ctx: BuildContext) -> StageResult:
@@ -177,13 +189,12 @@ def _plan(ctx: BuildContext, partition_cfg: dict) -> StageResult:
     return r
 
 
-CONTROL_FLOW = ("If", "Loop", "Scan")
-
-
 def _replan_without_control_flow(ctx: BuildContext, error: TrtforgeError) -> bool:
     """TensorRT can parse control flow and still fail to build it (an internal assertion, not a parser verdict).
     Then run the control-flow nodes natively, as a parser rejection would, and say so. False when that cannot help."""
     import onnx
+
+    from tasks.graph import CONTROL_FLOW
 
     if not ctx.cfg.partition.control_flow_fallback:
         return False
@@ -486,6 +497,8 @@ def validate(ctx: BuildContext) -> StageResult:
     ref = ctx.results["export"]
     reference = ref.files.get("reference", ref.files["onnx"])  # a pre-quantized model: as shipped, in ONNX Runtime
     reference_label = "the model as shipped" if "reference" in ref.files else "fp32"
+    if ctx.cfg.model.constants:
+        reference_label += f" with {bound_text(ctx.c('model.constants'))} bound (model.constants)"
     ctx.stages.setdefault("validate", {})["reference"] = reference_label
     cand = deliverable(ctx)
     cc = ctx.cfg.target.compute_capability

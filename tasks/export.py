@@ -58,6 +58,14 @@ def onnx_from_model(model_cfg: Any, profiles: list[dict], out_path: Path, search
         raise ConfigError(f"model.format={model_cfg['format']!r} is not supported", fix="use onnx, torch or paddle")
     model, notes = sanitize(model)
     files, metrics, details = {"onnx": out_path}, {}, {}
+    constants = dict(model_cfg.get("constants") or {})
+    if constants:  # bound inputs, and the control flow they decide folded away
+        from .graph import specialise
+
+        details["constants"] = specialise(model, constants, profiles)
+        notes += details["constants"]
+        del model.graph.value_info[:]  # inferred before the folds: stale
+        model = infer_shapes(model, notes)
     from .prequant import quantization_of, trt_from_prequantized
 
     quant = quantization_of(model)
@@ -102,8 +110,6 @@ def sanitize(model) -> tuple[Any, list[str]]:
       because TensorRT reads a shared name as one dimension and refuses non-square profiles;
     - shape inference fills in value_info for the later precision passes.
     """
-    import onnx
-
     from .graph import drop_initializer_inputs, fold_constants
 
     notes: list[str] = []
@@ -128,11 +134,18 @@ def sanitize(model) -> tuple[Any, list[str]]:
                 old = d.dim_param if d.dim_param else (str(d.dim_value) if d.HasField("dim_value") else "unnamed")
                 d.dim_param = f"{inp.name}_dim{i}"
                 notes.append(f"input {inp.name!r} dim {i}: {old!r} renamed {d.dim_param!r} (distinct name)")
+    return infer_shapes(model, notes), notes
+
+
+def infer_shapes(model, notes: list[str]):
+    """Shape inference fills in value_info for the later precision passes."""
+    import onnx
+
     try:
-        model = onnx.shape_inference.infer_shapes(model, data_prop=True)
+        return onnx.shape_inference.infer_shapes(model, data_prop=True)
     except Exception as e:  # shape inference is a help, not a requirement
         notes.append(f"shape inference skipped: {str(e)[:120]}")
-    return model, notes
+        return model
 
 
 def _add_import_paths(search: list[Path] | None) -> None:

@@ -1,8 +1,11 @@
 """Small ONNX graph edits shared by the stages (export sanitize, fp16 conversion, calibration)."""
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 
 def drop_initializer_inputs(model: onnx.ModelProto) -> int:
@@ -128,3 +131,298 @@ def toposort(g: onnx.GraphProto) -> bool:
         for sub in subgraphs(node):
             changed |= toposort(sub)
     return changed
+
+
+# --- binding inputs to constants and folding what that decides (model.constants) --------------------------------
+
+CONTROL_FLOW = ("If", "Loop", "Scan")
+# ops whose output is not a function of their inputs' values: never evaluated at export
+NONDETERMINISTIC = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli",
+                    "Dropout"}
+FOLD_MAX_ELEMENTS = 1 << 16  # a folded value is shape/index arithmetic or a small table, never a big activation
+
+
+def array_from_constant(name: str, value: Any, dtype: str, shape: list) -> np.ndarray:
+    """A `model.constants.<name>` value (scalar or nested list) as an array of the input's own dtype and shape;
+    a ConfigError naming the key when its rank, static dims or type do not fit the input."""
+    from .errors import ConfigError
+
+    key = f"model.constants.{name}"
+    try:
+        arr = np.asarray(value)
+    except Exception:
+        arr = np.asarray(None, dtype=object)
+    want = f"rank {len(shape)} {list(shape)}, {dtype}"
+    try:
+        np_dtype = np.dtype(dtype)
+    except TypeError:
+        raise ConfigError(f"{key}: input {name!r} has type {dtype}, which model.constants cannot bind",
+                          fix=f"remove {key}") from None
+    if arr.dtype.kind not in "biuf":
+        raise ConfigError(f"{key}={value!r} is not a number or a list of numbers (input {name!r} is {want})",
+                          fix=f"give {key} a value of input {name!r}'s shape, e.g. {key}={_example(dtype, shape)}")
+    if arr.ndim != len(shape) or any(isinstance(d, int) and d != n for d, n in zip(shape, arr.shape)):
+        raise ConfigError(f"{key}={value!r} has shape {list(arr.shape)} but input {name!r} is {want}",
+                          fix=f"give {key} a value of that shape, e.g. {key}={_example(dtype, shape)}")
+    if np_dtype.kind in "iub" and arr.dtype.kind == "f" and not np.all(arr == np.round(arr)):
+        raise ConfigError(f"{key}={value!r} is not integral but input {name!r} is {dtype}",
+                          fix=f"give {key} whole numbers, e.g. {key}={_example(dtype, shape)}")
+    if np_dtype.kind == "b" and not np.isin(arr, (0, 1)).all():
+        raise ConfigError(f"{key}={value!r} is not boolean but input {name!r} is bool", fix=f"use true/false for {key}")
+    if np_dtype.kind in "iu" and not np.all((arr >= np.iinfo(np_dtype).min) & (arr <= np.iinfo(np_dtype).max)):
+        raise ConfigError(f"{key}={value!r} does not fit input {name!r}'s type {dtype}", fix=f"give {key} a value in range")
+    return arr.astype(np_dtype)
+
+
+def _example(dtype: str, shape: list) -> str:
+    one = "1" if np.dtype(dtype).kind in "iub" else "1.0"
+    if np.prod([d if isinstance(d, int) else 1 for d in shape]) > 8:
+        return f"<a nested list of shape {list(shape)}>"
+    for d in reversed(shape):
+        one = "[" + ", ".join([one] * (d if isinstance(d, int) else 1)) + "]"
+    return one
+
+
+def bind_inputs(model: onnx.ModelProto, constants: dict[str, Any]) -> list[str]:
+    """Each graph input named in `constants` becomes an initializer of the input's own dtype and shape (its name
+    kept, so every reader, subgraphs included, reads the value); returns notes."""
+    from .models import ONNX_DTYPES, _shape
+
+    g = model.graph
+    notes = []
+    keep = []
+    for inp in g.input:
+        if inp.name not in constants:
+            keep.append(inp)
+            continue
+        dtype = ONNX_DTYPES.get(inp.type.tensor_type.elem_type, str(inp.type.tensor_type.elem_type))
+        arr = array_from_constant(inp.name, constants[inp.name], dtype, _shape(inp))
+        g.initializer.append(numpy_helper.from_array(arr, inp.name))
+        notes.append(f"input {inp.name!r} bound to {constants[inp.name]!r} (model.constants)")
+    del g.input[:]
+    g.input.extend(keep)
+    found = {t.name for t in g.initializer}
+    notes += [f"WARNING: model.constants.{n} names no input of the exported model" for n in constants if n not in found]
+    return notes
+
+
+def pin_fixed_dims(model: onnx.ModelProto, profiles: list[dict]) -> list[str]:
+    """Input dims that every profile fixes to one value become static (the engine accepts no other), so the folds
+    below can read shapes that depend on them; returns notes."""
+    notes = []
+    for inp in model.graph.input:
+        if not profiles or any(inp.name not in p for p in profiles):
+            continue
+        dims = inp.type.tensor_type.shape.dim
+        for i, d in enumerate(dims):
+            values = {v for p in profiles for w in ("min", "opt", "max") for v in [p[inp.name][w][i]]}
+            if len(values) == 1 and not d.HasField("dim_value"):
+                old = d.dim_param or "?"
+                d.dim_value = values.pop()
+                notes.append(f"input {inp.name!r} dim {i} ({old}) fixed to {d.dim_value} by every profile")
+    return notes
+
+
+def static_shapes(model: onnx.ModelProto) -> dict[str, list]:
+    """Shapes of the top-level values ONNX shape inference can tell (None for an unknown dim)."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    del m.graph.value_info[:]
+    try:
+        m = onnx.shape_inference.infer_shapes(m, data_prop=True)
+    except Exception:
+        pass
+    out = {}
+    for vi in list(m.graph.input) + list(m.graph.value_info) + list(m.graph.output):
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape"):
+            out[vi.name] = [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
+    for t in m.graph.initializer:
+        out[t.name] = list(t.dims)
+    return out
+
+
+def _evaluate(node: onnx.NodeProto, values: dict[str, np.ndarray], opsets) -> list[np.ndarray] | None:
+    from onnx.reference import ReferenceEvaluator
+
+    ins = [i for i in node.input if i]
+    try:
+        graph = helper.make_graph([node], "fold", [helper.make_tensor_value_info(i, TensorProto.UNDEFINED, None)
+                                                  for i in dict.fromkeys(ins)], [helper.make_value_info(o, onnx.TypeProto())
+                                                                                 for o in node.output if o])
+        ref = ReferenceEvaluator(helper.make_model(graph, opset_imports=opsets))
+        return ref.run(None, {i: values[i] for i in ins})
+    except Exception:
+        return None
+
+
+def _shape_value(node: onnx.NodeProto, shape: list[int]) -> np.ndarray:
+    if node.op_type == "Size":
+        return np.array(int(np.prod(shape)), dtype=np.int64)
+    a = {x.name: x.i for x in node.attribute}
+    end = a.get("end")
+    return np.array(shape[a.get("start", 0):len(shape) if end is None else end], dtype=np.int64)
+
+
+def fold_constant_nodes(model: onnx.ModelProto) -> int:
+    """Top-level nodes computable now become initializers: every input a constant, a Shape/Size of a value whose
+    shape is static, or a Gather of static dims from a Shape. Results larger than FOLD_MAX_ELEMENTS stay nodes. Returns how many nodes were folded."""
+    g = model.graph
+    folded = fold_constants(g)
+    values = {t.name: numpy_helper.to_array(t) for t in g.initializer}
+    shapes = static_shapes(model)
+    opsets = list(model.opset_import)
+    keep, partial = [], {}  # partial: Shape outputs with unknown dims as -1
+    for node in g.node:
+        out = None
+        if node.domain in ("", "ai.onnx") and node.op_type not in NONDETERMINISTIC and not subgraphs(node) and node.output:
+            shape = shapes.get(node.input[0]) if node.input and node.input[0] not in values else None
+            if node.op_type in ("Shape", "Size") and shape is not None and None not in shape:
+                out = [_shape_value(node, shape)]
+            elif node.op_type == "Shape" and shape is not None:
+                partial[node.output[0]] = _shape_value(node, [-1 if d is None else d for d in shape])
+            elif node.op_type == "Gather" and node.input[0] in partial and node.input[1] in values:
+                picked = np.take(partial[node.input[0]], values[node.input[1]].astype(np.int64))  # the static dims read
+                out = [picked] if (picked >= 0).all() else None
+            elif node.input and all(i in values and values[i].size <= FOLD_MAX_ELEMENTS for i in node.input if i):
+                out = _evaluate(node, values, opsets)
+        if out is None or len(out) != len([o for o in node.output if o]) or any(
+                np.asarray(a).size > FOLD_MAX_ELEMENTS for a in out):
+            keep.append(node)
+            continue
+        for name, a in zip([o for o in node.output if o], out):
+            values[name] = np.asarray(a)
+            g.initializer.append(numpy_helper.from_array(np.asarray(a), name))
+        folded += 1
+    if len(keep) != len(g.node):
+        del g.node[:]
+        g.node.extend(keep)
+    return folded
+
+
+def inline_if(g: onnx.GraphProto, index: int, taken: bool) -> str | None:
+    """Replace the If node at `index` by the nodes and initializers of its taken branch, the branch outputs renamed to
+    (or wired by Identity to) the If's outputs. A branch value whose name is already used elsewhere is renamed first.
+    Returns a reason when the node cannot be inlined."""
+    node = g.node[index]
+    branch = next((a.g for a in node.attribute if a.name == ("then_branch" if taken else "else_branch")), None)
+    if branch is None or len(branch.output) != len(node.output):
+        return "its branch is missing or has another number of outputs"
+    body = onnx.GraphProto()
+    body.CopyFrom(branch)
+    defined = {o for n in body.node for o in n.output if o} | {t.name for t in body.initializer}
+    taken_names = _names_in(g, skip=node)
+    clash = {n for n in defined if n in taken_names}
+    if clash:
+        mapping = {}
+        for n in sorted(clash):
+            new, k = f"{n}__inlined", 1
+            while new in taken_names or new in defined or new in mapping.values():
+                new, k = f"{n}__inlined{k}", k + 1
+            mapping[n] = new
+        rename_values(body, mapping)
+    # a branch output made by a branch node takes the If output's name; others (outer values, initializers, an output
+    # given twice) are wired by Identity
+    made = {o for n in body.node for o in n.output if o}
+    outs = [b.name for b in body.output]
+    rename_values(body, {b: o for b, o in zip(outs, node.output) if o and b in made and outs.count(b) == 1})
+    wires = [helper.make_node("Identity", [b.name], [o], name=f"{node.name or 'If'}_out{i}")
+             for i, (b, o) in enumerate(zip(body.output, node.output)) if o and b.name != o]
+    g.initializer.extend(body.initializer)
+    nodes = list(g.node)
+    nodes[index:index + 1] = list(body.node) + wires
+    del g.node[:]
+    g.node.extend(nodes)
+    g.value_info.extend(v for v in body.value_info if v.name not in taken_names)
+    return None
+
+
+def _names_in(g: onnx.GraphProto, skip: onnx.NodeProto | None = None) -> set[str]:
+    """Every value name defined in a graph and its subgraphs (but not in `skip`'s)."""
+    names = {i.name for i in g.input} | {t.name for t in g.initializer} | {o.name for o in g.output}
+    for n in g.node:
+        names.update(o for o in n.output if o)
+        if n is not skip:
+            for sub in subgraphs(n):
+                names |= _names_in(sub)
+    return names
+
+
+def rename_values(g: onnx.GraphProto, mapping: dict[str, str]) -> None:
+    """Rename values in a graph and in what its subgraphs read from it (a subgraph's own same-named value shadows)."""
+    for t in g.initializer:
+        t.name = mapping.get(t.name, t.name)
+    for vi in list(g.value_info) + list(g.output) + list(g.input):
+        vi.name = mapping.get(vi.name, vi.name)
+    for n in g.node:
+        n.input[:] = [mapping.get(i, i) for i in n.input]
+        n.output[:] = [mapping.get(o, o) for o in n.output]
+        for sub in subgraphs(n):
+            own = {o for x in sub.node for o in x.output} | {i.name for i in sub.input} | {t.name for t in sub.initializer}
+            inner = {k: v for k, v in mapping.items() if k not in own}
+            if inner:
+                rename_values(sub, inner)
+
+
+def fold_ifs(model: onnx.ModelProto) -> list[str]:
+    """Inline every top-level If whose condition is an initializer (after fold_constant_nodes); returns notes."""
+    g = model.graph
+    notes = []
+    values = {t.name: t for t in g.initializer}
+    i = 0
+    while i < len(g.node):
+        node = g.node[i]
+        if node.op_type == "If" and node.domain in ("", "ai.onnx") and node.input[0] in values and \
+                numpy_helper.to_array(values[node.input[0]]).size == 1:
+            cond = bool(numpy_helper.to_array(values[node.input[0]]).reshape(-1)[0])
+            name = node.name or f"(output {node.output[0]!r})"
+            n_branch = sum(len(a.g.node) for a in node.attribute if a.name == ("then_branch" if cond else "else_branch"))
+            why = inline_if(g, i, cond)
+            if why:
+                notes.append(f"WARNING: If {name} not folded: {why}")
+                i += 1
+                continue
+            notes.append(f"If {name}: condition is {cond}, its {'then' if cond else 'else'} branch ({n_branch} nodes) inlined")
+            values = {t.name: t for t in g.initializer}
+            continue  # the inlined nodes start at i
+        i += 1
+    return notes
+
+
+def prune_unused(g: onnx.GraphProto) -> int:
+    """Drop nodes none of whose outputs is used (by a node, a subgraph, or the graph outputs), then initializers
+    nothing reads; returns how many nodes were dropped."""
+    before = len(g.node)
+    while True:
+        used = {o.name for o in g.output} | {x for n in g.node for x in node_inputs(n)}
+        keep = [n for n in g.node if any(o in used for o in n.output if o)]
+        if len(keep) == len(g.node):
+            break
+        del g.node[:]
+        g.node.extend(keep)
+    used = {o.name for o in g.output} | {x for n in g.node for x in node_inputs(n)}
+    inits = [t for t in g.initializer if t.name in used]
+    if len(inits) != len(g.initializer):
+        del g.initializer[:]
+        g.initializer.extend(inits)
+    return before - len(g.node)
+
+
+def specialise(model: onnx.ModelProto, constants: dict[str, Any], profiles: list[dict]) -> list[str]:
+    """model.constants: bind those inputs, then fold what they decide (If nodes on them, and the Ifs that open up
+    inside the inlined branches, e.g. on shapes that are static now) and drop what no output needs. Returns notes."""
+    notes = bind_inputs(model, constants)
+    notes += pin_fixed_dims(model, profiles)
+    n_nodes = len(model.graph.node)
+    for _ in range(100):  # each round inlines at least one If; nested Ifs surface one level per round
+        fold_constant_nodes(model)
+        done = fold_ifs(model)
+        notes += [n for n in done if n not in notes]
+        if not any(not n.startswith("WARNING") for n in done):
+            break
+    fold_constants(model.graph)
+    dropped = prune_unused(model.graph)
+    toposort(model.graph)
+    left = sorted({n.op_type for n in model.graph.node if n.op_type in CONTROL_FLOW})
+    notes.append(f"{n_nodes} -> {len(model.graph.node)} top-level nodes ({dropped} unused dropped)"
+                 + (f"; still control flow: {', '.join(left)}" if left else "; no control flow left"))
+    return notes

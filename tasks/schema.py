@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
@@ -59,6 +59,9 @@ class ModelConfig:
     # a model that arrives with asymmetric Q/DQ (uint8 zero point != 128, int8 with a zero point): int8 requantizes the
     # pairs feeding Conv/MatMul/Gemm to symmetric int8 (TensorRT takes no zero point); float runs them in float
     asymmetric: str = "int8"
+    # inputs bound to a fixed value (e.g. {sr: 16000}): export makes them initializers and folds the If nodes they
+    # decide; they are no model inputs any more (no profile, no data), and the engine is specialised for them
+    constants: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -228,3 +228,50 @@ def make_fp16_weights_unsorted_model() -> "onnx.ModelProto":
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="trtforge-tests")
     model.ir_version = 8
     return model
+
+
+IF_PROFILE = {"x": {"min": [1, 4], "opt": [2, 4], "max": [4, 4]}}
+
+
+def make_if_model(path: Path) -> Path:
+    """Two top-level Ifs on an int64 scalar input `mode` (16000 or not), like Silero VAD's sample rate. Their branches
+    read outer values (x, y) by name and define the same name `t`; the first then-branch holds an If on a static
+    shape (Gather(Shape(y), 1) == 4), which only folds once its branch is inlined."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    def branch(name, nodes, out, inits=()):
+        return helper.make_graph(nodes, name, [], [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)],
+                                 list(inits))
+
+    c = lambda name, v: helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.array(v)))  # noqa: E731
+    inner = helper.make_node("If", ["wide"], ["u"],
+                             then_branch=branch("wide", [helper.make_node("Mul", ["t", "two"], ["u1"])], "u1"),
+                             else_branch=branch("narrow", [helper.make_node("Neg", ["t"], ["u2"])], "u2"))
+    then1 = branch("then1", [helper.make_node("Add", ["y", "w"], ["t"]), helper.make_node("Shape", ["y"], ["s"]),
+                             c("one", np.int64(1)), helper.make_node("Gather", ["s", "one"], ["d"]),
+                             c("four", np.int64(4)), helper.make_node("Equal", ["d", "four"], ["wide"]), inner], "u",
+                   [numpy_helper.from_array(np.array([1, 2, 3, 4], np.float32), "w"),
+                    numpy_helper.from_array(np.array(2, np.float32), "two")])
+    else1 = branch("else1", [helper.make_node("Sub", ["y", "x"], ["t"])], "t")
+    then2 = branch("then2", [helper.make_node("Mul", ["y", "y"], ["t"])], "t")
+    else2 = branch("else2", [helper.make_node("Identity", ["x"], ["t"])], "t")
+    nodes = [helper.make_node("Relu", ["x"], ["y"]), c("k", np.int64(16000)),
+             helper.make_node("Equal", ["mode", "k"], ["is16k"]),
+             helper.make_node("If", ["is16k"], ["a"], then_branch=then1, else_branch=else1, name="first"),
+             helper.make_node("If", ["is16k"], ["b"], then_branch=then2, else_branch=else2, name="second"),
+             helper.make_node("Add", ["a", "b"], ["out"])]
+    g = helper.make_graph(nodes, "if_model", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4]),
+                                              helper.make_tensor_value_info("mode", TensorProto.INT64, [])],
+                          [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["N", 4])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model, full_check=True)
+    onnx.save(model, str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def if_onnx(session_tmp) -> Path:
+    return make_if_model(session_tmp / "if_model.onnx")

@@ -111,3 +111,36 @@ def test_adding_an_entry_to_a_map_says_to_use_plus(two_input_conf):
     with pytest.raises(ConfigError) as e:
         compose_config(["model=encoder", "model.shape_multiple={input_ids: [1, 8]}"], str(two_input_conf))
     assert "fix: add it with a leading '+': +model.shape_multiple={input_ids: [1, 8]}" in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def if_conf(tmp_path_factory, if_onnx):
+    d = tmp_path_factory.mktemp("ifconf")
+    (d / "model").mkdir()
+    (d / "model" / "vad.yaml").write_text(f"name: vad\nformat: onnx\nsource: {if_onnx}\nconstants: {{mode: 16000}}\n"
+                                          "profiles:\n  - x: {min: [1, 4], opt: [2, 4], max: [4, 4]}\n")
+    return str(d)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["+model.constants.rate=8000"], ["model.constants.rate=8000", "no input 'rate'", "x, mode"]),
+    (["+model.constants.mod=8000"], ["model.constants.mod=8000", "did you mean 'mode'", "x, mode"]),
+    (["model.constants.mode=[16000]"], ["model.constants.mode=[16000]", "rank 0"]),
+    (["model.profiles=[{x: {min: [1,4], opt: [1,4], max: [1,4]}, mode: {min: [], opt: [], max: []}}]"],
+     ["model.profiles[0].mode", "model.constants.mode"]),
+])
+def test_constants_are_checked_against_the_inputs(if_conf, overrides, words):
+    msg = refused(["model=vad", *overrides], if_conf)
+    assert all(w in msg for w in words) and "fix:" in msg, msg
+
+
+def test_bound_inputs_are_no_inputs_for_profiles_and_data(if_conf):
+    facts = preflight(compose_config(["model=vad"], if_conf), if_conf)
+    assert [i.name for i in facts["inputs"]] == ["x"] and list(facts["profiles"][0]) == ["x"]
+
+
+def test_the_build_key_includes_the_constants(if_conf):
+    from flows.cache import build_key
+
+    keys = {build_key(compose_config(["model=vad", *o], if_conf), if_conf) for o in ([], ["model.constants.mode=8000"])}
+    assert len(keys) == 2
