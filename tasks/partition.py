@@ -6,6 +6,7 @@ falling back. A fully supported model is one segment: the whole graph, one engin
 """
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -161,6 +162,21 @@ def refine(model, node_ids: list[int], backend: Backend, shapes: dict[str, dict]
     if not errors:
         return [node_ids]
     k = errors[0]["node"]
+    bad_init = re.findall(r"Failed to import initializer: ([^\s,;]+)$", (errors[0]["reason"] or "").strip())
+    if not 0 <= k < len(node_ids) and bad_init:  # the parser imports every initializer before any node (node -1):
+        name = bad_init[-1]  # the nodes that read this one stay native, the rest is checked again
+        readers = [i for i in node_ids if name in model.graph.node[i].input]
+        if readers:
+            for i in readers:
+                reasons[i] = f"reads initializer {name}, whose type TensorRT cannot import ({errors[0]['reason']})"
+            runs, run = [], []
+            for i in node_ids:
+                if i in readers:
+                    runs.append(run)
+                    run = []
+                else:
+                    run.append(i)
+            return [r for part in runs + [run] for r in refine(model, part, backend, shapes, reasons, depth + 1)]
     if not 0 <= k < len(node_ids):
         for i in node_ids:
             reasons.setdefault(i, errors[0]["reason"])

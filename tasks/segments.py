@@ -17,8 +17,6 @@ import numpy as np
 
 from .graph import node_inputs
 
-NP_TO_ONNX = {np.dtype(np.float32): 1, np.dtype(np.uint8): 2, np.dtype(np.int8): 3, np.dtype(np.int32): 6,
-              np.dtype(np.int64): 7, np.dtype(np.bool_): 9, np.dtype(np.float16): 10, np.dtype(np.float64): 11}
 
 
 @dataclass
@@ -241,7 +239,7 @@ def submodel(model, node_ids: list[int], inputs: list[str], outputs: list[str], 
     def vi(name: str):
         s = shapes[name]
         dims: list[Any] = [lo if lo == hi else f"{name}_d{i}" for i, (lo, hi) in enumerate(zip(s["min"], s["max"]))]
-        return helper.make_tensor_value_info(name, NP_TO_ONNX[np.dtype(s["dtype"])], dims)
+        return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(np.dtype(s["dtype"])), dims)
 
     graph = helper.make_graph(nodes, f"{g.name or 'graph'}_{tag}", [vi(n) for n in inputs],
                               [vi(n) for n in outputs], initializer=inits)

@@ -132,3 +132,34 @@ def test_a_native_node_on_one_branch_does_not_split_the_other_branch(tmp_path):
     for res in (r, r1):
         composed = Composed(res.details["segments"], ["y"], lambda s, res=res: ort_runner(res.files[f"segment{s['index']}"]))
         np.testing.assert_allclose(composed(x)["y"], ort_runner(m)(x)["y"], rtol=1e-5, atol=1e-5)
+
+
+def test_an_initializer_tensorrt_cannot_import_keeps_only_its_readers_native(tmp_path):
+    """TransNetV2's colour-histogram branch: BitShift by a uint32 constant. TensorRT imports every initializer before
+    any node and fails on uint32 with no node named (-1); before, that reason was given to every node of the run."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w = [numpy_helper.from_array(rng.standard_normal((8, 3 if i == 0 else 8, 3, 3)).astype(np.float32) * 0.2, f"w{i}")
+         for i in range(3)]
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["c0"], pads=[1, 1, 1, 1], name="conv0"),
+             helper.make_node("Relu", ["c0"], ["r0"], name="relu0"),
+             helper.make_node("Conv", ["r0", "w1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+             helper.make_node("Conv", ["c1", "w2"], ["y"], pads=[1, 1, 1, 1], name="conv2"),
+             helper.make_node("Cast", ["x"], ["xu"], to=TensorProto.UINT32, name="to_u32"),
+             helper.make_node("BitShift", ["xu", "five"], ["s"], direction="RIGHT", name="shift"),
+             helper.make_node("Cast", ["s"], ["bins"], to=TensorProto.FLOAT, name="to_f32")]
+    g = helper.make_graph(nodes, "u32", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, "height", "width"])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8, "height", "width"]),
+                           helper.make_tensor_value_info("bins", TensorProto.FLOAT, ["batch", 3, "height", "width"])],
+                          [*w, numpy_helper.from_array(np.array(5, np.uint32), "five")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.save(m, str(tmp_path / "u32.onnx"))
+    r = plan(tmp_path / "u32.onnx", tmp_path / "p")
+    trt = [s for s in r.details["segments"] if s["kind"] == "trt"]
+    names = [n.name for n in m.graph.node]
+    assert r.metrics["trt_subgraphs"] == 1 and {names[i] for i in trt[0]["nodes"]} >= {"conv0", "relu0", "conv1", "conv2"}
+    reasons = {n["name"]: n["reason"] for n in json.loads(r.files["partition"].read_text())["fallback_nodes"]}
+    assert "initializer five" in reasons["shift"], reasons
