@@ -117,10 +117,15 @@ def plan_from_onnx(onnx_path: Path, partition_cfg: Any, backend: Backend, out_di
         boundaries = sum(len(s.inputs) for s in segments[1:])
         plan["boundary_tensors"] = boundaries
         if len(trt_segments) > FRAGMENTED:
+            from .prequant import DYNAMIC_OPS
+
+            dynamic = sum(1 for i in fallback if nodes[i].op_type in DYNAMIC_OPS)
             plan["warnings"].append(
                 f"fragmented: {len(trt_segments)} TensorRT subgraphs and {boundaries} boundary tensors; each boundary is a "
-                "copy and a sync, so this can be slower than running natively (raise partition.min_subgraph_size or "
-                "replace the unsupported ops)")
+                "copy and a sync, so this can be slower than running natively (" + (
+                    f"{dynamic} of the native nodes are dynamic quantization, which TensorRT has no kernels for: "
+                    "model.dequantize_dynamic=true builds them as float layers in TensorRT" if dynamic else
+                    "raise partition.min_subgraph_size or replace the unsupported ops") + ")")
     plan["segments"] = [s.as_dict() for s in segments]
     write_json(out_dir / "partition.json", plan)
     files["partition"] = out_dir / "partition.json"
