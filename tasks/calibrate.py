@@ -317,10 +317,12 @@ def _prepare(src: Path, dst: Path, feeds, ref) -> tuple[Path, dict]:
     """opset >= 13, Constants folded into initializers, every node named; checked against the original."""
     import onnx
 
-    from .graph import fold_constants, uniquify_node_names
+    from .graph import fold_constants, fp32_from_fp16, uniquify_node_names
 
     model = onnx.load(str(src))
     info: dict = {"opset_in": _opset(model)}
+    if fp32_from_fp16(model):  # calibrated in fp32; the Q/DQ graph's remainder is made fp16 again on the way out
+        info["fp16_upcast"] = True
     if info["opset_in"] < MIN_OPSET:
         try:
             from onnx import version_converter

@@ -426,3 +426,56 @@ def specialise(model: onnx.ModelProto, constants: dict[str, Any], profiles: list
     notes.append(f"{n_nodes} -> {len(model.graph.node)} top-level nodes ({dropped} unused dropped)"
                  + (f"; still control flow: {', '.join(left)}" if left else "; no control flow left"))
     return notes
+
+
+def fp32_from_fp16(model: onnx.ModelProto) -> int:
+    """Compute a model that works in fp16 in fp32 instead, keeping its interface: fp16 initializers and Constant values
+    become fp32, Casts to fp16 cast to fp32, and an fp16 graph input or output gets a Cast at the border. For
+    calibration: histograms of fp16 activations cannot hold 2048 distinct bins, and ranges are what the fp32 network
+    computes (ModelOpt calibrates fp16 models in fp32 too). Returns the number of values changed; 0 leaves it as is."""
+    H, F = TensorProto.FLOAT16, TensorProto.FLOAT
+    changed = 0
+
+    def upcast(t: onnx.TensorProto) -> onnx.TensorProto:
+        return numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float32), t.name)
+
+    def visit(g: onnx.GraphProto) -> None:
+        nonlocal changed
+        for i, t in enumerate(g.initializer):
+            if t.data_type == H:
+                g.initializer[i].CopyFrom(upcast(t))
+                changed += 1
+        for n in g.node:
+            for a in n.attribute:
+                if n.op_type == "Cast" and a.name == "to" and a.i == H:
+                    a.i, changed = F, changed + 1
+                elif a.type == onnx.AttributeProto.TENSOR and a.t.data_type == H:
+                    a.t.CopyFrom(upcast(a.t))
+                    changed += 1
+                for sub in (*a.graphs, *([a.g] if a.HasField("g") else [])):
+                    visit(sub)
+        for v in g.value_info:
+            if v.type.tensor_type.elem_type == H:
+                v.type.tensor_type.elem_type = F
+
+    visit(model.graph)
+    g = model.graph
+    names = {o for n in g.node for o in n.output} | {i.name for i in g.input} | {t.name for t in g.initializer}
+    for inp in [i for i in g.input if i.type.tensor_type.elem_type == H]:  # fp16 in: cast up at the border
+        inner = inp.name + "_fp32"
+        while inner in names:
+            inner += "_"
+        for n in g.node:
+            n.input[:] = [inner if x == inp.name else x for x in n.input]
+        g.node.insert(0, helper.make_node("Cast", [inp.name], [inner], to=F, name=inner))
+        changed += 1
+    for out in [o for o in g.output if o.type.tensor_type.elem_type == H]:  # fp16 out: cast down at the border
+        inner = out.name + "_fp32"
+        while inner in names:
+            inner += "_"
+        for n in g.node:
+            n.output[:] = [inner if x == out.name else x for x in n.output]
+            n.input[:] = [inner if x == out.name else x for x in n.input]
+        g.node.append(helper.make_node("Cast", [inner], [out.name], to=H, name=out.name + "_to_fp16"))
+        changed += 1
+    return changed

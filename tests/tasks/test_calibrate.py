@@ -332,3 +332,27 @@ def test_nearly_constant_tensor_calibrates(tiny):
         r = qdq_from_onnx(path, [{"x": x}], d / f"const_{method}.onnx", method=method, workdir=d / f"const_{method}")
         ranges = load_tensors_data(str(r.files["calibration_cache"]))
         assert float(ranges.data["x"].range_value[1]) == pytest.approx(1000.0, rel=1e-3), method
+
+
+def test_a_model_computing_in_fp16_calibrates_in_fp32_and_keeps_its_interface(tmp_path):
+    """IS-Net fp16 (weights and activations fp16, fp32 in/out through Casts): fp16 histograms cannot hold 2048 bins, so
+    calibration runs on the fp32 version of the network; the int8 graph builds."""
+    rng = np.random.default_rng(0)
+    w1 = numpy_helper.from_array((rng.standard_normal((8, 3, 3, 3)) * 0.3).astype(np.float16), "w1")
+    w2 = numpy_helper.from_array((rng.standard_normal((4, 8, 3, 3)) * 0.3).astype(np.float16), "w2")
+    nodes = [onnx.helper.make_node("Cast", ["x"], ["xh"], to=TensorProto.FLOAT16),
+             onnx.helper.make_node("Conv", ["xh", "w1"], ["c1"], pads=[1, 1, 1, 1]),
+             onnx.helper.make_node("Relu", ["c1"], ["r1"]),
+             onnx.helper.make_node("Conv", ["r1", "w2"], ["y"], pads=[1, 1, 1, 1])]
+    g = onnx.helper.make_graph(nodes, "half", [onnx.helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])],
+                               [onnx.helper.make_tensor_value_info("y", TensorProto.FLOAT16, [1, 4, 16, 16])], [w1, w2])
+    m = onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.save(m, str(tmp_path / "half.onnx"))
+    feeds = [{"x": rng.standard_normal((1, 3, 16, 16)).astype(np.float32)} for _ in range(6)]
+    r = qdq_from_onnx(tmp_path / "half.onnx", feeds[:4], tmp_path / "q.onnx", min_cosine=0.99, eval_feeds=feeds[4:])
+    assert r.details["prepare"]["fp16_upcast"] and r.metrics["quantized_layers"] == 2, r.metrics
+    assert r.metrics["calibrate_cosine_min"] >= 0.99
+    q = onnx.load(str(r.files["onnx"]))
+    assert [o.type.tensor_type.elem_type for o in q.graph.output] == [TensorProto.FLOAT16]  # the model's own output type
+    assert _build(r.files["onnx"], "SM86") > 10_000
