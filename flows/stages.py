@@ -12,7 +12,7 @@ from typing import Any, Callable
 from omegaconf import DictConfig, OmegaConf
 
 from tasks import backend as trt_backend
-from tasks.errors import TrtforgeError
+from tasks.errors import StageError, TrtforgeError
 from tasks.samples import GENERATOR_VERSION
 from tasks.util import StageResult, sha256_file
 
@@ -233,8 +233,6 @@ def prequantized(ctx: BuildContext) -> dict | None:
 
 def build(ctx: BuildContext) -> StageResult:
     """The baseline engine(s), one per TensorRT segment: fp32 or fp16 graph (int8/fp8: quantized ones in calibrate)."""
-    from tasks.errors import StageError
-
     try:
         return _build_engines(ctx)
     except StageError as e:
@@ -318,13 +316,16 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
                                  ctx.show_progress) as on_sample:
                 r = qdq_from_onnx(s["onnx"], segment_feeds(s, cal_feeds), d / f"qdq{s['index']}.onnx", method=c.method,
                                   precision=p.name, min_cosine=target, eval_feeds=segment_feeds(s, eval_feeds),
-                                  workdir=d / f"work{s['index']}", on_sample=on_sample)
+                                  workdir=d / f"work{s['index']}", on_sample=on_sample, no_layers_ok=len(segs) > 1)
             files[f"qdq{s['index']}"] = r.files["onnx"]
             for k in ("quantized_layers", "fallback_layers"):
                 metrics[k] += r.metrics[k]
             metrics["calibrate_cosine_min"] = min(metrics["calibrate_cosine_min"], r.metrics["calibrate_cosine_min"])
             metrics["calibration_samples"] = r.metrics["calibration_samples"]
             details.append({"segment": s["index"], **r.details})
+        if not metrics["quantized_layers"] + metrics["fallback_layers"]:
+            raise StageError("no TensorRT segment of the model has a Conv/ConvTranspose/MatMul/Gemm node to quantize",
+                             stage="calibrate", fix="keep this model at fp16/fp32")
         files.update(sensitivity_report(details, d))
         return StageResult(files=files, metrics=metrics, details={"segments": details})
 
@@ -508,7 +509,7 @@ def validate(ctx: BuildContext) -> StageResult:
     feeds, source, feed_key, record = _feeds(ctx, "validate")
     parts = {"reference": sha256_file(reference), "candidate": [sha256_file(o) for _, _, o in engines_of(cand)],
              "plan": sha256_file(ctx.results["partition"].files["partition"]), "feeds": feed_key,
-             "min_cosine": ctx.cfg.accuracy.min_cosine,
+             "min_cosine": ctx.cfg.accuracy.min_cosine, "precision": ctx.cfg.precision.name,  # in the result's labels
              "engines": [sha256_file(e) for _, e, _ in engines_of(cand)] if engine_reason is None else None}
 
     def work(d: Path) -> StageResult:

@@ -72,7 +72,8 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[dict[str, np.ndarray]], out_path:
                   eval_feeds: list[dict[str, np.ndarray]] | None = None,
                   workdir: Path | None = None,
                   on_sample: Callable[[int, int], None] | None = None,
-                  high_precision: str = "fp16") -> StageResult:
+                  high_precision: str = "fp16",
+                  no_layers_ok: bool = False) -> StageResult:
     """Quantize ``fp32_path`` to a Q/DQ graph at ``out_path``, within ``min_cosine`` if given.
 
     ``feeds`` calibrate the ranges (one input dict per sample, shapes may differ); the cosine to the fp32
@@ -83,6 +84,8 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[dict[str, np.ndarray]], out_path:
     ``high_precision``: the type of every op left without Q/DQ (layers the budget keeps out included), as ModelOpt's
     ``high_precision_dtype``: fp16 through tasks/precision.py's converter (which keeps fp32 only where fp16 cannot hold
     the values), or fp32. The budget search judges exactly the graph that is written.
+    ``no_layers_ok``: a graph without any layer to quantize (one TensorRT segment of several) is written at
+    ``high_precision`` instead of refused.
     """
     precision = str(precision).lower()
     # no method given (int8): entropy, and the budget search may switch a sensitive tensor to the percentile or max
@@ -134,7 +137,7 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[dict[str, np.ndarray]], out_path:
         t_search = time.perf_counter()
         q = _Quantizer(prepared, ranges, precision, high_precision)
         layers = q.layers
-        if not layers:
+        if not layers and not no_layers_ok:
             raise StageError(f"the model has no {'/'.join(QUANT_OPS)} node to quantize", stage=STAGE,
                              file=str(fp32_path), fix="keep this model at fp16/fp32")
 

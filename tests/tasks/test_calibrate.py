@@ -358,3 +358,23 @@ def test_a_model_computing_in_fp16_calibrates_in_fp32_and_keeps_its_interface(tm
     from tasks.backend import Backend
 
     assert len(Backend("tensorrt_rtx").build_engine(str(r.files["onnx"]), [], "8.6")) > 10_000  # static shapes
+
+
+def test_a_segment_without_layers_is_written_at_high_precision_only_when_asked(tmp_path):
+    """One TensorRT segment of several may hold no Conv/MatMul/Gemm (TransNetV2's glue between native nodes): it is
+    built at the high precision; a whole model without one is refused."""
+    from tasks.errors import StageError
+
+    g = onnx.helper.make_graph([onnx.helper.make_node("Relu", ["x"], ["y"])], "relu",
+                               [onnx.helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+                               [onnx.helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, 8, 8])])
+    m = onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.save(m, str(tmp_path / "relu.onnx"))
+    feeds = [{"x": np.random.default_rng(0).standard_normal((1, 3, 8, 8)).astype(np.float32)}]
+    with pytest.raises(StageError, match="no Conv"):
+        qdq_from_onnx(tmp_path / "relu.onnx", feeds, tmp_path / "q.onnx", min_cosine=0.99)
+    r = qdq_from_onnx(tmp_path / "relu.onnx", feeds, tmp_path / "q.onnx", min_cosine=0.99, no_layers_ok=True)
+    assert r.metrics["quantized_layers"] == 0 and r.metrics["calibrate_cosine_min"] > 0.999
+    q = onnx.load(str(r.files["onnx"]))
+    assert not any(n.op_type == "QuantizeLinear" for n in q.graph.node)
