@@ -174,6 +174,14 @@ def _cast_around_blocked(g: onnx.GraphProto, op_block: set[str], node_block: set
     for v in g.output:
         vi_out.setdefault(v.name, v)
 
+    taken = {o for n in g.node for o in n.output} | {v.name for v in (*g.input, *g.initializer)}
+
+    def fresh(name: str) -> str:  # a model converted by this converter before already has "<node>_input_cast_0"
+        while name in taken:
+            name += "_"
+        taken.add(name)
+        return name
+
     def add_vi(like, name, dtype):
         v = g.value_info.add()
         v.CopyFrom(like)
@@ -186,14 +194,14 @@ def _cast_around_blocked(g: onnx.GraphProto, op_block: set[str], node_block: set
         for i, name in enumerate(node.input):
             v = vi_in.get(name)
             if v is not None and v.type.tensor_type.elem_type == TensorProto.FLOAT16:
-                new = f"{node.name}_input_cast_{i}"
+                new = fresh(f"{node.name}_input_cast_{i}")
                 add_vi(v, new, TensorProto.FLOAT)
                 g.node.append(helper.make_node("Cast", [name], [new], to=TensorProto.FLOAT, name=f"{node.name}_input_cast{i}"))
                 node.input[i] = new
         for i, name in enumerate(node.output):
             v = vi_out.get(name)
             if v is not None and v.type.tensor_type.elem_type == TensorProto.FLOAT:
-                new = f"{node.name}_output_cast_{i}"
+                new = fresh(f"{node.name}_output_cast_{i}")
                 add_vi(v, new, TensorProto.FLOAT)
                 v.type.tensor_type.elem_type = TensorProto.FLOAT16
                 g.node.append(helper.make_node("Cast", [new], [name], to=TensorProto.FLOAT16, name=f"{node.name}_output_cast{i}"))

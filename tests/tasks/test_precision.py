@@ -625,3 +625,23 @@ def test_float_cast_inside_an_if_branch_is_retargeted():
     x = rng.standard_normal((3, 4)).astype(np.float32)
     a, b = _ort_io(fp32, {"x": x})[0], _ort_io(fp16, {"x": x})[0]
     assert b.dtype == np.float32 and _cosine(a, b) >= MIN_COSINE
+
+
+def test_a_model_converted_before_keeps_unique_names(tmp_path):
+    """IS-Net fp16 was made by this converter's naming ('<node>_input_cast_0' tensors); converting its fp32 version
+    again must not define those names twice (ONNX Runtime: 'Duplicate definition of name')."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    scales = numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales")
+    nodes = [helper.make_node("Relu", ["x"], ["r_input_cast_0"], name="relu"),
+             helper.make_node("Resize", ["r_input_cast_0", "", "scales"], ["y"], mode="linear", name="r")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 4, 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 8, 8])], [scales])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    h, _ = fp16_from_onnx(m)
+    x = np.random.default_rng(0).standard_normal((1, 2, 4, 4)).astype(np.float32)
+    y = ort.InferenceSession(h.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    ref = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(y, ref, atol=1e-2)
