@@ -428,6 +428,20 @@ def specialise(model: onnx.ModelProto, constants: dict[str, Any], profiles: list
     return notes
 
 
+def name_allocator(g: onnx.GraphProto):
+    """A function that returns `name`, or `name` with "_" appended until no value, input, initializer or node of `g`
+    (nor an earlier answer) has it: models made by converters (ours included) already hold their usual names."""
+    taken = {o for n in g.node for o in n.output} | {v.name for v in (*g.input, *g.initializer)} | {n.name for n in g.node}
+
+    def fresh(name: str) -> str:
+        while name in taken:
+            name += "_"
+        taken.add(name)
+        return name
+
+    return fresh
+
+
 def fp32_from_fp16(model: onnx.ModelProto) -> int:
     """Compute a model that works in fp16 in fp32 instead, keeping its interface: fp16 initializers and Constant values
     become fp32, Casts to fp16 cast to fp32, and an fp16 graph input or output gets a Cast at the border. For
@@ -460,22 +474,18 @@ def fp32_from_fp16(model: onnx.ModelProto) -> int:
 
     visit(model.graph)
     g = model.graph
-    names = {o for n in g.node for o in n.output} | {i.name for i in g.input} | {t.name for t in g.initializer}
+    fresh = name_allocator(g)
     for inp in [i for i in g.input if i.type.tensor_type.elem_type == H]:  # fp16 in: cast up at the border
-        inner = inp.name + "_fp32"
-        while inner in names:
-            inner += "_"
+        inner = fresh(inp.name + "_fp32")
         for n in g.node:
             n.input[:] = [inner if x == inp.name else x for x in n.input]
-        g.node.insert(0, helper.make_node("Cast", [inp.name], [inner], to=F, name=inner))
+        g.node.insert(0, helper.make_node("Cast", [inp.name], [inner], to=F, name=fresh(inner + "_cast")))
         changed += 1
     for out in [o for o in g.output if o.type.tensor_type.elem_type == H]:  # fp16 out: cast down at the border
-        inner = out.name + "_fp32"
-        while inner in names:
-            inner += "_"
+        inner = fresh(out.name + "_fp32")
         for n in g.node:
             n.output[:] = [inner if x == out.name else x for x in n.output]
             n.input[:] = [inner if x == out.name else x for x in n.input]
-        g.node.append(helper.make_node("Cast", [inner], [out.name], to=H, name=out.name + "_to_fp16"))
+        g.node.append(helper.make_node("Cast", [inner], [out.name], to=H, name=fresh(out.name + "_to_fp16")))
         changed += 1
     return changed

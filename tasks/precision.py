@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .graph import drop_initializer_inputs, fold_constants, node_inputs, subgraphs, toposort, uniquify_node_names
+from .graph import drop_initializer_inputs, fold_constants, name_allocator, node_inputs, subgraphs, toposort, uniquify_node_names
 
 FP16_MAX = 65504.0
 # Initializers whose fp16 rounding error (relative L2) exceeds this keep their
@@ -174,13 +174,7 @@ def _cast_around_blocked(g: onnx.GraphProto, op_block: set[str], node_block: set
     for v in g.output:
         vi_out.setdefault(v.name, v)
 
-    taken = {o for n in g.node for o in n.output} | {v.name for v in (*g.input, *g.initializer)}
-
-    def fresh(name: str) -> str:  # a model converted by this converter before already has "<node>_input_cast_0"
-        while name in taken:
-            name += "_"
-        taken.add(name)
-        return name
+    fresh = name_allocator(g)  # a model converted by this converter before already has "<node>_input_cast_0"
 
     def add_vi(like, name, dtype):
         v = g.value_info.add()
@@ -196,7 +190,7 @@ def _cast_around_blocked(g: onnx.GraphProto, op_block: set[str], node_block: set
             if v is not None and v.type.tensor_type.elem_type == TensorProto.FLOAT16:
                 new = fresh(f"{node.name}_input_cast_{i}")
                 add_vi(v, new, TensorProto.FLOAT)
-                g.node.append(helper.make_node("Cast", [name], [new], to=TensorProto.FLOAT, name=f"{node.name}_input_cast{i}"))
+                g.node.append(helper.make_node("Cast", [name], [new], to=TensorProto.FLOAT, name=fresh(f"{node.name}_input_cast{i}")))
                 node.input[i] = new
         for i, name in enumerate(node.output):
             v = vi_out.get(name)
@@ -204,7 +198,7 @@ def _cast_around_blocked(g: onnx.GraphProto, op_block: set[str], node_block: set
                 new = fresh(f"{node.name}_output_cast_{i}")
                 add_vi(v, new, TensorProto.FLOAT)
                 v.type.tensor_type.elem_type = TensorProto.FLOAT16
-                g.node.append(helper.make_node("Cast", [new], [name], to=TensorProto.FLOAT16, name=f"{node.name}_output_cast{i}"))
+                g.node.append(helper.make_node("Cast", [new], [name], to=TensorProto.FLOAT16, name=fresh(f"{node.name}_output_cast{i}")))
                 node.output[i] = new
 
 
