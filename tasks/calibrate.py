@@ -164,10 +164,9 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[dict[str, np.ndarray]], out_path:
             flops = layer_flops(q.base, layers, eval_feeds[0])
             alone = {n: score([n]) for n in layers}
             if choose_ranges:
-                ranges, alone, range_choice = _choose_ranges(prepared, q, alone, eval_feeds, ref, cos_none,
-                                                             float(min_cosine), high_precision)
+                ranges, alone, range_choice = _choose_ranges(q, alone, eval_feeds, ref, cos_none, float(min_cosine))
                 if range_choice:
-                    q = _Quantizer(prepared, ranges, precision, high_precision)
+                    q = q.with_ranges(ranges)
                     cos_all = score(layers)
                     _save_ranges(ranges, cache)
             chosen, cos_chosen, sensitivity = _budget_search(layers, q.ops, score, float(min_cosine), cos_none, flops,
@@ -465,8 +464,7 @@ def _quantized_activations(model_path: Path) -> set[str]:
     return names | {by_name[a].input[k] for a, k in residual_adds(g).items()}
 
 
-def _choose_ranges(model_path: Path, q: "_Quantizer", alone: dict[str, float], feeds, ref, cos_none: float,
-                   budget: float, high_precision: str):
+def _choose_ranges(q: "_Quantizer", alone: dict[str, float], feeds, ref, cos_none: float, budget: float):
     """Per activation tensor, the range that measurably loses least: for every layer that alone loses more than
     RETRY_LOSS of the budget's allowed error with the entropy range, the percentile and the max range of the same
     histogram are tried for its inputs (that layer alone quantized, as the sensitivity is measured) and the best kept.
@@ -480,7 +478,7 @@ def _choose_ranges(model_path: Path, q: "_Quantizer", alone: dict[str, float], f
         return q.ranges, alone, {}
     alts = {m: TensorsData(q.ranges.calibration_method, {k: f(v) for k, v in q.ranges.data.items()})
             for m, f in (("percentile", _percentile_range), ("minmax", _max_range_of))}
-    quantizers = {m: _Quantizer(model_path, r, q.precision, high_precision) for m, r in alts.items()}
+    quantizers = {m: q.with_ranges(r) for m, r in alts.items()}
     alone, pick = dict(alone), {}
     for n in retry:
         for m, qm in quantizers.items():
@@ -585,6 +583,16 @@ class _Quantizer:
         self._float_inputs = {n.name: list(n.input) for n in nodes}
         self._full = None
         self.run_error: str | None = None
+
+    def with_ranges(self, ranges) -> "_Quantizer":
+        """The quantizer of the same model with other ranges: shares the loaded, shape-inferred model and the weight
+        caches (neither depends on ranges); only the all-layers Q/DQ graph is made again, when first needed."""
+        import copy
+
+        q = copy.copy(self)
+        q.ranges, q._full, q.run_error = ranges, None, None
+        q._amax = {k: _amax(v) for k, v in ranges.data.items()} if self.precision == "fp8" else {}
+        return q
 
     def activations(self, name: str) -> list[str]:
         """The calibrated tensors that get Q/DQ when layer ``name`` is quantized (a residual Add: its skip input)."""
