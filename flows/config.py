@@ -156,8 +156,8 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> dict[str, Any]:
                           f"{t.compute_capability}", fix="use target=sm_89 or newer, or precision=int8/fp16")
     if m.format not in ("onnx", "torch", "paddle"):
         raise ConfigError(f"model.format={m.format!r} is not supported", fix="use onnx, torch or paddle")
-    if m.asymmetric not in ("int8", "float"):
-        raise ConfigError(f"model.asymmetric={m.asymmetric!r} is unknown", fix="use int8 or float")
+    if m.asymmetric not in ("exact", "int8", "float"):
+        raise ConfigError(f"model.asymmetric={m.asymmetric!r} is unknown", fix="use exact, int8 or float")
     cal = cfg.calibration
     if cal.method is not None and cal.method not in ("entropy", "minmax", "percentile"):
         raise ConfigError(f"calibration.method={cal.method!r} is unknown", fix="use entropy, minmax or percentile")

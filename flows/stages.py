@@ -491,7 +491,7 @@ def candidate_runner(ctx: BuildContext, use_engines: bool, runners: contextlib.E
 
 def validate(ctx: BuildContext) -> StageResult:
     from tasks.errors import AccuracyError
-    from tasks.validate import validate_onnx
+    from tasks.validate import spread_note, validate_onnx
 
     if not ctx.cfg.stages.validate:
         raise Skip("disabled (stages.validate=false)")
@@ -520,7 +520,8 @@ def validate(ctx: BuildContext) -> StageResult:
                                      ctx.cfg.accuracy.min_cosine, source, d / "validation.json", engine=run_engine,
                                      engine_skip_reason=engine_reason, label=label, reference_label=reference_label,
                                      emulation=f"onnxruntime emulation of {ctx.cfg.precision.name}",
-                                     engine_device=gpu and f"engine on {gpu.name} (sm {gpu.compute_capability})")
+                                     engine_device=gpu and f"engine on {gpu.name} (sm {gpu.compute_capability})",
+                                     reference_spread="reference" in ref.files)
             except AccuracyError as e:  # the verdict is a result too: cache it, gate below
                 return e.result
 
@@ -534,7 +535,8 @@ def validate(ctx: BuildContext) -> StageResult:
         worst = min(r.details["outputs"], key=lambda n: r.details["outputs"][n]["cosine"])
         e = AccuracyError(f"output {worst!r} has cosine {r.metrics['cosine_min']:.6f} to {reference_label} "
                           f"({r.metrics['cosine_source']}), below "
-                          f"accuracy.min_cosine={ctx.cfg.accuracy.min_cosine}", stage="validate", file=label,
+                          f"accuracy.min_cosine={ctx.cfg.accuracy.min_cosine}{spread_note(r.details, reference_label)}",
+                          stage="validate", file=label,
                           fix=_accuracy_fix(ctx))
         e.result = r
         raise e

@@ -73,7 +73,7 @@ def onnx_from_model(model_cfg: Any, profiles: list[dict], out_path: Path, search
         files["reference"] = out_path.with_name("shipped.onnx")
         save_onnx(model, files["reference"])
         model, stats = trt_from_prequantized(model, bool(model_cfg.get("dequantize_dynamic")),
-                                             model_cfg.get("asymmetric") or "int8")
+                                             model_cfg.get("asymmetric") or "exact")
         details["prequantized"] = {**quant, **stats}
         files["prequant"] = write_json(out_path.with_name("prequant.json"), details["prequantized"])  # per tensor
         metrics.update(quantized_layers=stats["quantized_layers"], fallback_layers=stats["fallback_layers"])

@@ -5,21 +5,26 @@ They are built as they are, with their own scales, never recalibrated. What Tens
   folded into a float constant (exact: it is what ONNX Runtime computes);
 - a uint8 Q/DQ pair with zero point 128 becomes int8 with zero point 0: the same values, exactly;
 - any other 8-bit activation pair with a per-tensor scale (uint8 asymmetric, int8 with a zero point: ONNX Runtime's
-  quantize_static default) that feeds a Conv/MatMul/Gemm becomes symmetric int8 covering the range the pair could
-  hold, as TensorRT's own calibration would choose for that range: amax = max(|(qmin - zp) * s|, |(qmax - zp) * s|),
-  scale amax / 127, zero point 0, behind a Relu/Clip to that range when it is one-sided (quantizers fold a Relu into a
-  uint8 pair with zero point 0). The step widens by amax / (127 s), up to x2.0 (recorded per tensor). Asymmetric
-  pairs elsewhere (Add, Mul, Concat, outputs: quantize_static puts a pair on nearly every tensor) run in float,
-  clamped to the range they could hold: requantizing them only adds noise where TensorRT gains no int8 layer (PP-OCRv4
-  cls quantized by quantize_static: 0.970 to the shipped model this way, 0.943 requantizing every pair);
+  quantize_static default), by default (asymmetric="exact"), keeps the model's own rounding: with k the zero point's
+  offset from int8's, Q(x) - z = clamp(round(x / s + k)) - k, so the pair becomes Add(k s) -> int8 Q/DQ -> Sub(k s).
+  Where it feeds a Conv (its zero padding moved before the pair), a Gemm or a MatMul on constant weights, the Sub
+  moves into the layer's bias and the layer reads int8 (an int8 layer in TensorRT). Asymmetric per-tensor 8-bit
+  weights become int8 codes plus a constant term (a box-sum Conv, a row sum). Only float rounding of x + k s at half
+  steps differs from the shipped model (benchmarks/bench_prequant.py: PP-OCRv4 det 0.994-0.996 vs shipped, at its
+  own ONNX Runtime spread);
+- asymmetric="int8" requantizes such a pair that feeds a Conv/MatMul/Gemm to symmetric int8 covering the range the
+  pair could hold, as TensorRT's own calibration would choose for that range: amax = max(|(qmin - zp) * s|,
+  |(qmax - zp) * s|), scale amax / 127, zero point 0, behind a Relu/Clip to that range when it is one-sided
+  (quantizers fold a Relu into a uint8 pair with zero point 0). The step widens by amax / (127 s), up to x2.0
+  (recorded per tensor). Asymmetric pairs elsewhere run in float, clamped to the range they could hold. 8-bit weights
+  with a zero point feeding a Conv/MatMul/Gemm become symmetric int8 per output channel, with the scale of their own
+  largest value (the model is moved to opset 13 for per-channel DequantizeLinear if it is older), when no weight
+  moves by more than the model's own step; else they are folded to float;
 - what is left (16-bit, per-channel activation scales, scales computed at run time) runs in higher precision the same
   way; int8 weights of the layers it feeds stay int8;
 - QuantizeLinear of a constant (quantize_static quantizes weights stored as Constant nodes like activations: uint8,
-  asymmetric, per tensor) is computed once into a constant; 8-bit weights with a zero point feeding a
-  Conv/MatMul/Gemm become symmetric int8 per output channel, with the scale of their own largest value (as TensorRT
-  quantizes weights; the model is moved to opset 13 for per-channel DequantizeLinear if it is older), when no weight
-  moves by more than the model's own step; else, and int32 biases, they are folded to float;
-- model.asymmetric=float keeps the previous behaviour: every asymmetric pair and weight runs in float;
+  asymmetric, per tensor) is computed once into a constant; int32 biases are folded to float;
+- asymmetric="float": every asymmetric pair and weight runs in float;
 - QLinearConv / QLinearMatMul (QOperator format) are rewritten as DequantizeLinear -> Conv/MatMul -> QuantizeLinear
   with the same scales, then treated as above;
 - dynamic quantization (DynamicQuantizeLinear, ConvInteger, MatMulInteger) runs natively in ONNX Runtime (the
@@ -59,6 +64,9 @@ def describe(q: dict) -> str:
         return f"{q[key]} {one if q[key] == 1 else many}"
 
     notes = []
+    if q.get("shifted_pairs"):
+        notes.append(n("shifted_pairs", "asymmetric pair", "asymmetric pairs") + " kept exactly as shifted int8"
+                     + (f" ({q.get('shift_folded', 0)} of them feeding int8 layers)" if "shift_folded" in q else ""))
     if q.get("requantized_pairs"):
         notes.append(n("requantized_pairs", "asymmetric pair", "asymmetric pairs") + " requantized to symmetric int8, "
                      f"step widened up to x{q['max_step_widening']:.1f}")
@@ -73,20 +81,27 @@ def accuracy_fix(q: dict) -> str:
     """How to fix a build below its accuracy budget; a model whose asymmetric pairs were requantized can run them in float."""
     if q.get("requantized_pairs") or q.get("requantized_weights"):
         return ("its asymmetric pairs were requantized to symmetric int8, a different rounding than the model as shipped: "
-                "lower accuracy.min_cosine if that agreement is acceptable, or try model.asymmetric=float (those pairs "
-                "in float, not int8)")
+                "lower accuracy.min_cosine if that agreement is acceptable, or use model.asymmetric=exact (the model's "
+                "own rounding, int8 layers only where it folds exactly)")
+    if q.get("shifted_pairs"):
+        return ("its asymmetric pairs keep the model's own rounding as shifted int8 pairs; they differ from the model as "
+                "shipped only where float rounding of the shift moves a value across a half step, which a model "
+                "sensitive to single-step changes amplifies: lower accuracy.min_cosine if that agreement is acceptable, "
+                "or try model.asymmetric=float (those pairs in float, not int8)")
     return "use a higher precision, or lower accuracy.min_cosine if that loss is acceptable"
 
 
 def trt_from_prequantized(model: onnx.ModelProto, dequantize_dynamic: bool = False,
-                          asymmetric: str = "int8") -> tuple[onnx.ModelProto, dict]:
+                          asymmetric: str = "exact") -> tuple[onnx.ModelProto, dict]:
     """Convert a pre-quantized graph into one TensorRT takes, keeping the model's scales where TensorRT can hold them
-    (asymmetric="float": asymmetric activation pairs and weights run in float instead). Returns (model, stats)."""
+    (asymmetric: "exact" shifted int8 pairs, "int8" requantized, "float"; see the module doc). Returns (model, stats)."""
     model, upgraded = _per_channel_opset(model)
     g = model.graph
     inits = {i.name: i for i in g.initializer}
     stats = {"opset_upgraded": upgraded, "folded_constants": 0, "int8_from_uint8": 0, "kept_pairs": 0,
-             "requantized_pairs": 0, "high_precision_pairs": 0, "requantized_weights": 0, "dequantized_dynamic": 0}
+             "shifted_pairs": 0, "requantized_pairs": 0, "high_precision_pairs": 0, "requantized_weights": 0,
+             "dequantized_dynamic": 0}
+    shifts: list[tuple] = []  # (unshift node, shift constant): folded into the layer that reads them, after the weights
     stats["qlinear_rewritten"] = _qdq_from_qlinear(model, inits)
     stats["quantized_constants"] = _constants_from_quantized_constants(g, inits)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
@@ -114,6 +129,9 @@ def trt_from_prequantized(model: onnx.ModelProto, dequantize_dynamic: bool = Fal
             key, scale, zname = converted[id(q)]
             dq.input[:] = [dq.input[0], scale, zname]
             stats[key] += 1
+            if key == "shifted_pairs":
+                shift = next(sh for _, sh in shifts if sh[2] is q)
+                shifts.append((_unshift(g, dq, shift, inits), shift))
         elif zp is not None and (_is_fp8(zp) or (zp.dtype == np.int8 and not zp.any())):
             stats["kept_pairs"] += 1
             pairs[tensor] = {"kind": "kept"}
@@ -124,6 +142,11 @@ def trt_from_prequantized(model: onnx.ModelProto, dequantize_dynamic: bool = Fal
             converted[id(q)] = ("int8_from_uint8", q.input[1], zname)
             stats["int8_from_uint8"] += 1
             pairs[tensor] = {"kind": "exact"}
+        elif asymmetric == "exact" and (shift := _shifted_int8(g, q, dq, zp, inits)) is not None:
+            converted[id(q)] = ("shifted_pairs", q.input[1], q.input[2])
+            shifts.append((_unshift(g, dq, shift, inits), shift))
+            stats["shifted_pairs"] += 1
+            pairs[tensor] = {"kind": "shifted", "shift_steps": int(round(float(shift[0])))}
         elif feeds_layer(q) and (widening := _symmetric_int8(g, q, dq, zp, inits)) is not None:
             converted[id(q)] = ("requantized_pairs", q.input[1], q.input[2])
             stats["requantized_pairs"] += 1
@@ -157,6 +180,8 @@ def trt_from_prequantized(model: onnx.ModelProto, dequantize_dynamic: bool = Fal
             stats["int8_from_uint8"] += 1
         elif _is_fp8(data) or (data.dtype == np.int8 and (zp is None or not zp.any())):
             pass
+        elif asymmetric == "exact" and opset >= 13 and _shifted_int8_weights(g, dq, inits, consumers):
+            stats["shifted_weights"] = stats.get("shifted_weights", 0) + 1
         elif (asymmetric == "int8" and consumers and all(_weight_of(c, dq.output[0]) for c in consumers)
               and _symmetric_int8_weights(g, dq, inits, consumers, per_channel=opset >= 13)):
             stats["requantized_weights"] += 1
@@ -167,6 +192,11 @@ def trt_from_prequantized(model: onnx.ModelProto, dequantize_dynamic: bool = Fal
             stats["folded_constants"] += 1
             continue
         int8_layers.update(id(c) for c in consumers if id(c) in layers)
+    # exact shifts: a Conv (its padding made explicit before its own pair), a Gemm or a MatMul on constant weights reads
+    # the shifted int8 pair directly, the shift moved into its bias (int8 layers in TensorRT); elsewhere the Sub stays
+    stats["shift_folded"] = sum(_fold_shift(g, sub, shift, inits) for sub, shift in shifts)
+    if shifts:  # layers that now read a pair directly, and those still behind an unshift
+        float_fed = _float_fed_nodes(g, inits, dropped)
     # quantized layers: int8 weights and quantized activations; the rest of the layers run in higher precision
     stats["quantized_layers"] = len(int8_layers - float_fed)
     stats["fallback_layers"] = len(layers) - stats["quantized_layers"]
@@ -333,6 +363,138 @@ def _symmetric_int8(g, q, dq, zp, inits) -> float | None:
     return float(new_scale) / s
 
 
+def _shifted_int8(g, q, dq, zp, inits) -> tuple | None:
+    """An 8-bit activation pair with per-tensor scale s and zero point z, exactly, on int8 with zero point 0: with
+    k = z - 128 (uint8) or z (int8), (clamp(round(x/s) + z, qmin, qmax) - z) * s
+    = clamp(round((x + k*s) / s), -128, 127) * s - k*s, so the pair becomes Add(x, k*s) -> Q/DQ int8 (scale s) ->
+    Sub(., k*s): the model's own rounding and saturation, which TensorRT can run. Returns (k, c = k*s, q) or None."""
+    scale = numpy_helper.to_array(inits[q.input[1]]) if q.input[1] in inits else None
+    if (scale is None or scale.size != 1 or zp is None or zp.size != 1 or zp.dtype not in (np.uint8, np.int8)
+            or not _same_params(q, dq) or any(a.name == "saturate" for a in q.attribute)):
+        return None
+    k = int(zp.item()) - (128 if zp.dtype == np.uint8 else 0)
+    c = np.array(k * float(scale.item()), dtype=scale.dtype)
+    tensor = q.input[0]
+    cname, zname, shifted = (_unique(f"{tensor}_{x}", inits) for x in ("shift", "zero_point_int8", "shifted"))
+    _add(g, inits, cname, c)
+    _add(g, inits, zname, np.zeros(zp.shape, np.int8))
+    g.node.insert(list(g.node).index(q), onnx.helper.make_node("Add", [tensor, cname], [shifted], name=shifted))
+    q.input[0] = shifted
+    q.input[2] = dq.input[2] = zname
+    return np.array(k), cname, q
+
+
+def _unshift(g, dq, shift: tuple, inits):
+    """DQ -> Sub(DQ, k*s) under the DQ's old output name (its readers are unchanged). Returns the Sub node."""
+    out = dq.output[0]
+    dq.output[0] = _unique(f"{out}_shifted", set(inits) | {o for n in g.node for o in n.output})
+    sub = onnx.helper.make_node("Sub", [dq.output[0], shift[1]], [out], name=f"{out}_unshift")
+    g.node.insert(list(g.node).index(dq) + 1, sub)
+    return sub
+
+
+def _fold_shift(g, sub, shift: tuple, inits) -> int:
+    """Move an unshift into the layers that read it where that is exact: a Conv without padding (every tap reads a
+    shifted value: its bias loses c * the sum of each output channel's weights), a Gemm or a 2-D MatMul on a constant
+    weight (c * the column sums). Those layers then read the int8 pair directly: int8 layers in TensorRT. The Sub
+    stays for the other readers. Returns how many layers it folded into."""
+    if any(o.name == sub.output[0] for o in g.output):
+        return 0
+    folded = sum(_fold_into(g, layer, sub, shift, inits) for layer in [n for n in g.node if sub.output[0] in n.input])
+    if not any(sub.output[0] in n.input for n in g.node):
+        g.node.remove(sub)
+    return folded
+
+
+def _fold_into(g, layer, sub, shift: tuple, inits) -> bool:
+    if layer.op_type not in ("Conv", "Gemm", "MatMul") or len(layer.input) < 2 or layer.input[0] != sub.output[0] \
+            or sub.output[0] in layer.input[1:]:
+        return False
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in layer.attribute}
+    w = _constant_value(g, layer.input[1], inits)
+    if w is None or not any(n.op_type == "DequantizeLinear" and n.output[0] == layer.input[1] for n in g.node):
+        return False  # float weights: no int8 layer to gain (and a weight-shift box sum stays on the float input)
+    c = float(numpy_helper.to_array(inits[shift[1]]))
+    has_bias = len(layer.input) > 2 and bool(layer.input[2])
+    b = _constant_value(g, layer.input[2], inits) if has_bias else None
+    if has_bias and (b is None or layer.op_type == "MatMul"):
+        return False
+    if layer.op_type == "Conv":
+        if attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", b"VALID", "NOTSET", "VALID"):
+            return False
+        if any(attrs.get("pads", [])) and not _pad_before_pair(g, layer, shift, attrs["pads"], inits):
+            return False
+        corr = -c * w.reshape(w.shape[0], -1).sum(axis=1)
+    elif layer.op_type == "Gemm":
+        beta = float(attrs.get("beta", 1.0))
+        if attrs.get("transA") or w.ndim != 2 or (has_bias and beta == 0.0):
+            return False
+        wk = w.T if attrs.get("transB") else w
+        corr = -c * float(attrs.get("alpha", 1.0)) * wk.sum(axis=0) / (beta if has_bias else 1.0)
+    else:
+        if w.ndim != 2:
+            return False
+        corr = -c * w.sum(axis=0)
+    dtype = numpy_helper.to_array(inits[shift[1]]).dtype
+    if layer.op_type == "MatMul":  # out + correction, under the MatMul's output name
+        name = _unique(f"{layer.output[0]}_unshift", inits)
+        _add(g, inits, name, corr.astype(dtype))
+        out = layer.output[0]
+        layer.output[0] = _unique(f"{out}_shifted", set(inits) | {o for n in g.node for o in n.output})
+        g.node.insert(list(g.node).index(layer) + 1, onnx.helper.make_node("Add", [layer.output[0], name], [out], name=name))
+    else:
+        if has_bias:
+            corr = b + corr
+        elif layer.op_type == "Gemm":
+            keep = [a for a in layer.attribute if a.name != "beta"]
+            del layer.attribute[:]
+            layer.attribute.extend(keep)
+        name = _unique(f"{layer.name or layer.output[0]}_bias_unshifted", inits)
+        _add(g, inits, name, corr.astype(dtype))
+        while len(layer.input) < 3:
+            layer.input.append("")
+        layer.input[2] = name
+    if not (layer.op_type == "Conv" and any(attrs.get("pads", []))):
+        layer.input[0] = sub.input[0]
+    return True
+
+
+def _pad_before_pair(g, conv, shift: tuple, pads: list, inits) -> bool:
+    """A padded Conv gets its own pair on the zero-padded input: Pad(x, 0) -> Add(k*s) -> Q -> DQ -> Conv without
+    padding. A padded position then holds code k, i.e. k*s after DequantizeLinear, which the bias correction removes
+    again: exactly the model's zero padding, with the Conv reading its pair directly (an int8 layer)."""
+    k, cname, q = shift
+    add = next((n for n in g.node if n.op_type == "Add" and n.output[0] == q.input[0]), None)
+    if add is None or len(pads) % 2:
+        return False
+    x, nd = add.input[0], len(pads) // 2
+    names = set(inits) | {o for n in g.node for o in n.output}
+    pname, padded, shifted, qout, dqout = (_unique(f"{conv.name or conv.output[0]}_{v}", names)
+                                           for v in ("pads", "padded", "shifted", "quantized", "dequantized"))
+    _add(g, inits, pname, np.array([0, 0, *pads[:nd], 0, 0, *pads[nd:]], np.int64))
+    at = list(g.node).index(conv)
+    for node in reversed([onnx.helper.make_node("Pad", [x, pname], [padded], name=padded),
+                          onnx.helper.make_node("Add", [padded, cname], [shifted], name=shifted),
+                          onnx.helper.make_node("QuantizeLinear", [shifted, *q.input[1:3]], [qout], name=qout),
+                          onnx.helper.make_node("DequantizeLinear", [qout, *q.input[1:3]], [dqout], name=dqout)]):
+        g.node.insert(at, node)
+    conv.input[0] = dqout
+    keep = [a for a in conv.attribute if a.name != "pads"]
+    del conv.attribute[:]
+    conv.attribute.extend(keep)
+    return True
+
+
+def _constant_value(g, name: str, inits) -> np.ndarray | None:
+    """The float value of an initializer or of a DequantizeLinear of one (float64), else None."""
+    if name in inits:
+        return numpy_helper.to_array(inits[name]).astype(np.float64)
+    dq = next((n for n in g.node if n.op_type == "DequantizeLinear" and n.output[0] == name), None)
+    if dq is not None and dq.input[0] in inits and all(i in inits for i in dq.input[1:] if i):
+        return _dequantize(dq, inits).astype(np.float64)
+    return None
+
+
 def _weight_of(node, tensor: str) -> bool:
     """Whether `tensor` is a weight operand of a Conv/ConvTranspose/Gemm/MatMul (not a bias: TensorRT takes bias in float)."""
     if node.op_type not in LAYERS:
@@ -351,6 +513,59 @@ def _output_channel_axis(node, tensor: str, ndim: int) -> int | None:
     if node.op_type == "Gemm" and node.input[1] == tensor:
         return 0 if attrs.get("transB") else 1
     return None
+
+
+def _shifted_int8_weights(g, dq, inits, readers: list) -> bool:
+    """8-bit weights with a per-tensor zero point, exactly: W = (Wq - z) * s = Wq' * s + d with int8 codes Wq' = Wq - 128
+    (uint8) or Wq (int8) and the constant d = (128 - z) * s or -z * s. Conv(x, W) = Conv(x, Wq' * s) + Conv(x, d) where
+    the second term is a box sum of x (one float Conv with a constant kernel, broadcast over the output channels; per
+    channel for a depthwise Conv); MatMul(x, W) = MatMul(x, Wq' * s) + d * ReduceSum(x, last axis). The layer keeps the
+    model's weights as int8 (an int8 layer when its input is quantized)."""
+    scale = numpy_helper.to_array(inits[dq.input[1]]) if dq.input[1] in inits else None
+    zp = _zero_point(dq, inits)
+    data = numpy_helper.to_array(inits[dq.input[0]])
+    if (scale is None or scale.size != 1 or zp is None or zp.size != 1 or data.dtype not in (np.uint8, np.int8)
+            or zp.dtype != data.dtype or not readers or any(a.name == "block_size" for a in dq.attribute)):
+        return False
+    for r in readers:
+        if r.op_type == "Conv" and r.input[1] == dq.output[0] and r.input[0] != dq.output[0]:
+            group = next((a.i for a in r.attribute if a.name == "group"), 1)
+            if group != 1 and group != data.shape[0]:
+                return False
+        elif not (r.op_type == "MatMul" and r.input[1] == dq.output[0] and r.input[0] != dq.output[0] and data.ndim == 2):
+            return False
+    codes = (data.astype(np.int16) - 128).astype(np.int8) if data.dtype == np.uint8 else data
+    d = float(((128 if data.dtype == np.uint8 else 0) - int(zp.item())) * float(scale.item()))
+    name, zname = _unique(dq.input[0] + "_int8", inits), _unique(dq.input[0] + "_zero_point_int8", inits)
+    _add(g, inits, name, codes)
+    _add(g, inits, zname, np.zeros((), np.int8))
+    dq.input[:] = [name, dq.input[1], zname]
+    for r in readers:
+        if d == 0.0:
+            continue
+        taken = set(inits) | {o for n in g.node for o in n.output}
+        out = r.output[0]
+        r.output[0] = _unique(f"{out}_int8_weights", taken)
+        term = _unique(f"{out}_weight_shift", taken | {r.output[0]})
+        at = list(g.node).index(r) + 1
+        if r.op_type == "Conv":
+            group = next((a.i for a in r.attribute if a.name == "group"), 1)
+            kname = _unique(f"{term}_kernel", inits)
+            shape = (1, *data.shape[1:]) if group == 1 else data.shape
+            _add(g, inits, kname, np.full(shape, d, dtype=scale.dtype))
+            box = onnx.helper.make_node("Conv", [r.input[0], kname], [term], name=term)
+            box.attribute.extend(a for a in r.attribute)
+            nodes = [box]
+        else:
+            axes, dname, rs = (_unique(f"{term}_{v}", taken | set(inits)) for v in ("axes", "d", "rowsum"))
+            _add(g, inits, axes, np.array([-1], np.int64))
+            _add(g, inits, dname, np.array(d, dtype=scale.dtype))
+            nodes = [onnx.helper.make_node("ReduceSum", [r.input[0], axes], [rs], name=rs, keepdims=1),
+                     onnx.helper.make_node("Mul", [rs, dname], [term], name=term)]
+        nodes.append(onnx.helper.make_node("Add", [r.output[0], term], [out], name=f"{out}_with_weight_shift"))
+        for node in reversed(nodes):
+            g.node.insert(at, node)
+    return True
 
 
 def _symmetric_int8_weights(g, dq, inits, readers: list, per_channel: bool) -> bool:

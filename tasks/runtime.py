@@ -34,12 +34,14 @@ import numpy as np
 from .errors import StageError
 
 
-def ort_session(path: Path, threads: int = 0, stage: str = "validate", basic: bool = False):
+def ort_session(path: Path, threads: int = 0, stage: str = "validate", basic: bool = False, optimize: bool = True):
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     if basic:
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    if not optimize:  # the graph exactly as written (no Q/DQ fusion into integer kernels)
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 4  # errors come back as exceptions; keep ORT's own printing quiet
     if threads:
         so.intra_op_num_threads = int(threads)

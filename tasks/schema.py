@@ -56,9 +56,11 @@ class ModelConfig:
     # a model quantized dynamically (DynamicQuantizeLinear, ConvInteger, MatMulInteger): those parts run in ONNX Runtime,
     # or with true become float MatMul/Conv on the dequantized weights (then TensorRT can take them)
     dequantize_dynamic: bool = False
-    # a model that arrives with asymmetric Q/DQ (uint8 zero point != 128, int8 with a zero point): int8 requantizes the
-    # pairs feeding Conv/MatMul/Gemm to symmetric int8 (TensorRT takes no zero point); float runs them in float
-    asymmetric: str = "int8"
+    # a model that arrives with asymmetric Q/DQ (uint8 zero point != 128, int8 with a zero point; TensorRT takes no zero
+    # point): exact keeps the model's own rounding as a shifted int8 pair (int8 layers where the shift folds into a
+    # bias); int8 requantizes the pairs feeding Conv/MatMul/Gemm to symmetric int8 over their range (faster, another
+    # rounding); float runs them in float
+    asymmetric: str = "exact"
     # inputs bound to a fixed value (e.g. {sr: 16000}): export makes them initializers and folds the If nodes they
     # decide; they are no model inputs any more (no profile, no data), and the engine is specialised for them
     constants: Dict[str, Any] = field(default_factory=dict)

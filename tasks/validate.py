@@ -98,18 +98,32 @@ def reference_outputs(ref_sess, feeds: list[dict[str, np.ndarray]]) -> tuple[lis
     return refs, kept, [warning]
 
 
+def spread_note(report: dict, reference_label: str) -> str:
+    """'; <reference> agrees with itself only to X ...' for a failed verdict with a measured reference spread."""
+    spread = report.get("reference_spread")
+    if not spread:
+        return ""
+    return (f"; {reference_label} itself gives cosine {spread['cosine_min']:.6f} between "
+            f"{spread['between']}")
+
+
 def validate_onnx(reference: Path, candidate: Path | Callable, feeds: list[dict[str, np.ndarray]], min_cosine: float,
                   inputs_source: str, out_path: Path, engine: Callable | None = None,
                   engine_skip_reason: str | None = None, label: str | None = None,
                   emulation: str = "onnxruntime emulation", engine_device: str | None = None,
-                  reference_label: str = "fp32") -> StageResult:
+                  reference_label: str = "fp32", reference_spread: bool = False) -> StageResult:
     """Compare candidate (an ONNX file, or a callable such as a composed hybrid model) to the fp32 reference in
     ONNX Runtime on every feed; gate on min_cosine; write a JSON report.
 
     `cosine_min` is the gate's number and `cosine_source` says what it measured: the engine's outputs when an `engine`
     runner is given (run only on the inputs the reference accepts; `engine_device`, e.g. "engine on NVIDIA L4 (sm 8.9)"), else the candidate graph in ONNX Runtime
     (`emulation`, e.g. "onnxruntime emulation of int8"). Both are also kept under their own names:
-    `emulation_cosine_min` and, when the engine ran, `engine_cosine_min`."""
+    `emulation_cosine_min` and, when the engine ran, `engine_cosine_min`.
+
+    ``reference_spread`` (a quantized reference, e.g. a model as shipped quantized): the reference is also run with
+    ONNX Runtime's graph optimizations off (Q/DQ emulated in float instead of fused into integer kernels) and
+    `reference_spread_cosine_min` says how far two correct executions of it already differ: the agreement any other
+    implementation, a TensorRT engine included, can be expected to reach. It informs; it does not move the gate."""
     t0 = time.perf_counter()
     ref_sess = ort_session(reference)
     if callable(candidate):
@@ -130,6 +144,12 @@ def validate_onnx(reference: Path, candidate: Path | Callable, feeds: list[dict[
                         f"rounding noise: give validation.data or model.images for a meaningful check")
     if inputs_source == "random":
         warnings.append("validated on random inputs inside the profiles (no validation.data, calibration data or model.images)")
+    spread = None
+    if reference_spread:
+        plain = ort_session(reference, optimize=False)
+        spread = {"between": "ONNX Runtime with all graph optimizations and with none",
+                  "cosine_min": min(m["cosine"] for m in summarize([compare(r, ort_run(plain, f))
+                                                                     for r, f in zip(refs, feeds)]).values())}
     emulation_cosine_min, emulation_outputs, source = cosine_min, worst, emulation
     if engine is not None:
         eng = summarize([compare(r, engine(f)) for r, f in zip(refs, feeds)])
@@ -146,6 +166,8 @@ def validate_onnx(reference: Path, candidate: Path | Callable, feeds: list[dict[
         "per_feed": per_feed,
         "engine": engine, "warnings": warnings, "passed": cosine_min >= min_cosine,
     }
+    if spread is not None:
+        report["reference_spread"] = spread
     write_json(out_path, report)
     metrics = {"cosine_min": cosine_min, "cosine_source": source, "emulation_cosine_min": emulation_cosine_min,
                "cosine_worst_feed": min(m["cosine_worst_feed"] for m in worst.values()),
@@ -154,11 +176,14 @@ def validate_onnx(reference: Path, candidate: Path | Callable, feeds: list[dict[
                "validate_seconds": time.perf_counter() - t0}
     if engine.get("cosine_min") is not None:
         metrics["engine_cosine_min"] = engine["cosine_min"]
+    if spread is not None:
+        metrics["reference_spread_cosine_min"] = spread["cosine_min"]
     result = StageResult(files={"validation": out_path}, metrics=metrics, details=report)
     if cosine_min < min_cosine:
         worst_name = min(worst, key=lambda n: worst[n]["cosine"])
         err = AccuracyError(
-            f"output {worst_name!r} has cosine {cosine_min:.6f} to {reference_label} ({source}), below accuracy.min_cosine={min_cosine}",
+            f"output {worst_name!r} has cosine {cosine_min:.6f} to {reference_label} ({source}), below "
+            f"accuracy.min_cosine={min_cosine}{spread_note(report, reference_label)}",
             stage="validate", file=label or (None if callable(candidate) else str(candidate)),
             fix="use a higher precision, or lower accuracy.min_cosine if that loss is acceptable")
         err.result = result

@@ -47,7 +47,7 @@ def test_composition_errors_name_the_key_and_suggest(overrides, words):
     (["model=tiny", "model.profiles=[{image: {min: [1,3,8,8], opt: [1,3,8,8], max: [1,3,8,8]}}]"], "no input 'image'"),
     (["model=tiny", "model.source=/does/not/exist.onnx"], "file not found"),
     (["model=tiny", "calibration.method=kl"], "entropy, minmax or percentile"),
-    (["model=tiny", "model.asymmetric=uint8"], "use int8 or float"),
+    (["model=tiny", "model.asymmetric=uint8"], "use exact, int8 or float"),
     (["model=tiny", "validation.data=/no/such/data.npz"], "validation.data"),
 ])
 def test_bad_input_is_refused_before_heavy_work(overrides, words, user_config_dir):

@@ -78,8 +78,19 @@ def test_what_tensorrt_cannot_take_is_converted_and_the_scales_are_kept(converte
     a = ort.InferenceSession(shipped.SerializeToString()).run(None, {"x": x})[0]
     b = ort.InferenceSession(m.SerializeToString()).run(None, {"x": x})[0]
     assert np.array_equal(a, b)  # uint8 with zero point 128 is int8 with zero point 0: exactly
-    for name in ("static_u8", "static_s8", "static_u8w"):  # zero point != 128: requantized to symmetric int8
+    for name in ("static_u8", "static_s8", "static_u8w"):  # zero point != 128, default: the model's rounding, shifted
         m, stats = converted[name]
+        assert stats["shifted_pairs"] == 3 and stats["shift_folded"] == 2  # both Convs read their int8 pair directly
+        assert stats["quantized_layers"] == 2 and stats["fallback_layers"] == 0 and stats["requantized_pairs"] == 0
+        assert stats.get("shifted_weights", 0) == (2 if name == "static_u8w" else 0)
+        dq_out = {n.output[0] for n in m.graph.node if n.op_type == "DequantizeLinear"}
+        int8_convs = [n for n in m.graph.node if n.op_type == "Conv" and n.input[1] in dq_out]
+        assert len(int8_convs) == 2 and all(n.input[0] in dq_out for n in int8_convs)  # no Sub between pair and Conv
+        xs = 3 * x  # beyond the calibrated range too: the model's own saturation
+        a = ort.InferenceSession(quantized_models[name].read_bytes()).run(None, {"x": xs})[0]
+        b = ort.InferenceSession(m.SerializeToString()).run(None, {"x": xs})[0]
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-5 * float(np.abs(a).max()))  # float reassociation only, no code flips
+        m, stats = trt_from_prequantized(onnx.load(str(quantized_models[name])), asymmetric="int8")
         assert stats["requantized_pairs"] == 2 and stats["quantized_layers"] == 2 and stats["fallback_layers"] == 0
         assert stats["high_precision_pairs"] == 1  # the output's pair feeds no layer: float, clamped to its range
         assert stats["max_step_widening"] == pytest.approx(255 / 127, abs=1e-3)  # the Relu's pair, zero point 0
@@ -100,10 +111,14 @@ def test_what_tensorrt_cannot_take_is_converted_and_the_scales_are_kept(converte
 def test_quantization_is_detected(quantized_models, converted, tiny_onnx):
     assert quantization_of(onnx.load(str(quantized_models["static_u8"]))) == {"qdq": 6, "dynamic": 0, "qlinear": 0}
     q = {**quantization_of(onnx.load(str(quantized_models["static_u8"]))), **converted["static_u8"][1]}
+    assert describe(q) == "6 Q/DQ pairs; 3 asymmetric pairs kept exactly as shifted int8 (2 of them feeding int8 layers)"
+    assert "model.asymmetric=float" in accuracy_fix(q)
+    q = {**quantization_of(onnx.load(str(quantized_models["static_u8"]))),
+         **trt_from_prequantized(onnx.load(str(quantized_models["static_u8"])), asymmetric="int8")[1]}
     assert describe(q) == ("6 Q/DQ pairs; 2 asymmetric pairs requantized to symmetric int8, step widened up to x2.0; "
                            "1 pair runs in float")
-    assert "model.asymmetric=float" in accuracy_fix(q)  # the way back when the requantized model misses the budget
-    assert "model.asymmetric" not in accuracy_fix({**q, "requantized_pairs": 0})
+    assert "model.asymmetric=exact" in accuracy_fix(q)  # the way back when the requantized model misses the budget
+    assert "model.asymmetric" not in accuracy_fix({"requantized_pairs": 0})
     assert quantization_of(onnx.load(str(quantized_models["dynamic"]))) == {"qdq": 0, "dynamic": 4, "qlinear": 0}
     assert quantization_of(onnx.load(str(quantized_models["qoperator"])))["qlinear"] == 2
     assert quantization_of(onnx.load(str(tiny_onnx))) == {"qdq": 0, "dynamic": 0, "qlinear": 0}
@@ -142,7 +157,7 @@ def test_an_asymmetric_pair_becomes_symmetric_int8_within_its_own_steps(dtype, z
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4096, 1])], inits)
     shipped = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     shipped.ir_version = 8
-    m, stats = trt_from_prequantized(onnx.ModelProto.FromString(shipped.SerializeToString()))
+    m, stats = trt_from_prequantized(onnx.ModelProto.FromString(shipped.SerializeToString()), asymmetric="int8")
     info = np.iinfo(dtype)
     lo, hi = (info.min - zp) * s, (info.max - zp) * s
     s2 = max(abs(lo), abs(hi)) / 127
@@ -157,6 +172,56 @@ def test_an_asymmetric_pair_becomes_symmetric_int8_within_its_own_steps(dtype, z
     if lo == 0:
         assert b.min() == 0  # a folded Relu stays a Relu
     assert np.abs(a - b).max() <= (s + s2) / 2 + 1e-6
+
+
+@pytest.mark.parametrize("dtype,zp", [(np.uint8, 0), (np.uint8, 37), (np.uint8, 200), (np.int8, -20), (np.int8, 90)])
+@pytest.mark.parametrize("layer", ["MatMul", "Gemm", "Conv"])
+def test_an_asymmetric_pair_is_kept_exactly_by_default(dtype, zp, layer):
+    """x -> Q -> DQ -> layer with int8 weights: by default (model.asymmetric=exact) the pair becomes a shifted int8 pair
+    whose shift the layer's bias absorbs, so the layer reads int8 codes (an int8 layer in TensorRT) and every value,
+    in range and saturated, is what the model as shipped computes. (Not at exact half steps with an odd shift: round
+    half to even of x/s + k and of x/s differ there, a set of measure zero for real activations.)"""
+    import onnxruntime as ort
+
+    s = np.float32(0.05)
+    rng = np.random.default_rng(0)
+    wq = rng.integers(-127, 128, (3, 3)).astype(np.int8)
+    inits = [numpy_helper.from_array(np.array(s), "s"), numpy_helper.from_array(np.array(zp, dtype), "z"),
+             numpy_helper.from_array(wq, "wq"), numpy_helper.from_array(np.array(0.02, np.float32), "ws"),
+             numpy_helper.from_array(np.array(0, np.int8), "wz")]
+    shape = [64, 3] if layer != "Conv" else [1, 3, 8, 8]
+    w = "w" if layer != "Conv" else "w4"
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]), helper.make_node("DequantizeLinear", ["q", "s", "z"], ["d"]),
+             helper.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["w"])]
+    if layer == "Conv":
+        inits.append(numpy_helper.from_array(np.array([3, 3, 1, 1], np.int64), "wshape"))
+        nodes.append(helper.make_node("Reshape", ["w", "wshape"], ["w4"]))
+        nodes.append(helper.make_node("Conv", ["d", w], ["y"], pads=[0, 0, 0, 0]))
+    elif layer == "Gemm":
+        inits.append(numpy_helper.from_array(np.array([0.5, -1, 2], np.float32), "b"))
+        nodes.append(helper.make_node("Gemm", ["d", w, "b"], ["y"], transB=1, alpha=0.5))
+    else:
+        nodes.append(helper.make_node("MatMul", ["d", w], ["y"]))
+    g = helper.make_graph(nodes, "pair", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    shipped = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    shipped.ir_version = 8
+    m, stats = trt_from_prequantized(onnx.ModelProto.FromString(shipped.SerializeToString()))
+    k = zp - (128 if dtype == np.uint8 else 0)
+    assert stats["shifted_pairs"] == 1 and stats["pairs"]["x"] == {"kind": "shifted", "shift_steps": k}
+    t = {i.name: numpy_helper.to_array(i) for i in m.graph.initializer}
+    for n in (n for n in m.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")):
+        assert t[n.input[2]].dtype == np.int8 and not t[n.input[2]].any()
+    if layer != "Conv":  # a Conv's weight comes through a Reshape: its shift stays a Sub (a float layer)
+        assert stats["shift_folded"] == 1 and stats["quantized_layers"] == 1
+        reader = next(n for n in m.graph.node if n.op_type == layer)
+        assert reader.input[0] in {n.output[0] for n in m.graph.node if n.op_type == "DequantizeLinear"}
+    info = np.iinfo(dtype)
+    lo, hi = (info.min - zp) * s, (info.max - zp) * s
+    x = rng.uniform(lo - 1, hi + 1, shape).astype(np.float32)  # in range and saturated at both ends
+    a = ort.InferenceSession(shipped.SerializeToString()).run(None, {"x": x})[0]
+    b = ort.InferenceSession(m.SerializeToString()).run(None, {"x": x})[0]
+    np.testing.assert_allclose(b, a, rtol=0, atol=1e-4 * float(np.abs(a).max()))
 
 
 @pytest.mark.parametrize("name,dequantize", [("static_u8", False), ("static_s8", False), ("static_u8w", False),
@@ -176,8 +241,9 @@ def test_converted_graphs_build_tensorrt_engines(converted, quantized_models, na
 @pytest.mark.slow
 def test_ppocr_det_quantized_by_quantize_static_defaults_keeps_int8_and_its_accuracy(det_path, tmp_path):
     """PP-OCRv4 det as a user quantizes it: quantize_static, QDQ, default options (uint8 asymmetric activations, weights
-    stored as Constant nodes quantized like activations), calibrated on text pages. After conversion every layer is int8
-    with symmetric Q/DQ, the engine builds for sm_86, and the converted model is as close to fp32 as the shipped one."""
+    stored as Constant nodes quantized like activations), calibrated on text pages. By default the asymmetric pairs keep
+    the model's rounding (shifted int8, 62 of 64 layers int8: measured); model.asymmetric=int8 requantizes them (every
+    layer int8, another rounding). Both build for sm_86; the default agrees with the model as shipped."""
     import onnxruntime as ort
     from onnxruntime.quantization import QuantFormat, quantize_static
 
@@ -199,12 +265,15 @@ def test_ppocr_det_quantized_by_quantize_static_defaults_keeps_int8_and_its_accu
 
     shipped = tmp_path / "det_qdq.onnx"
     quantize_static(str(det_path), str(shipped), Pages(), quant_format=QuantFormat.QDQ)
-    m, stats = trt_from_prequantized(sanitize(onnx.load(str(shipped)))[0])
-    assert stats["quantized_layers"] == 64 and stats["fallback_layers"] == 0
-    assert stats["requantized_pairs"] > 50 and stats["requantized_weights"] > 50
-    inits = {i.name: numpy_helper.to_array(i) for i in m.graph.initializer}
-    assert all(inits[n.input[2]].dtype == np.int8 and not inits[n.input[2]].any()
-               for n in m.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear"))
+    exact, stats = trt_from_prequantized(sanitize(onnx.load(str(shipped)))[0])
+    assert stats["quantized_layers"] >= 60 and stats["shifted_pairs"] > 200 and stats["shift_folded"] >= 60, stats
+    requantized, rstats = trt_from_prequantized(sanitize(onnx.load(str(shipped)))[0], asymmetric="int8")
+    assert rstats["quantized_layers"] == 64 and rstats["fallback_layers"] == 0
+    assert rstats["requantized_pairs"] > 50 and rstats["requantized_weights"] > 50
+    for m in (exact, requantized):
+        inits = {i.name: numpy_helper.to_array(i) for i in m.graph.initializer}
+        assert all(inits[n.input[2]].dtype == np.int8 and not inits[n.input[2]].any()
+                   for n in m.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear"))
 
     def run(model, x):
         return ort.InferenceSession(model if isinstance(model, str) else model.SerializeToString()).run(None, {"x": x})[0]
@@ -213,10 +282,11 @@ def test_ppocr_det_quantized_by_quantize_static_defaults_keeps_int8_and_its_accu
         return float((a * b).sum() / np.linalg.norm(a) / np.linalg.norm(b))
 
     for x in pages[4:]:  # held-out pages
-        ref, ship, conv = run(str(det_path), x), run(str(shipped), x), run(m, x)
-        assert cos(conv, ship) > 0.9 and cos(conv, ref) > cos(ship, ref) - 0.05, (cos(conv, ship), cos(conv, ref), cos(ship, ref))
-    onnx.save(m, str(tmp_path / "conv.onnx"))
+        ship = run(str(shipped), x)
+        assert cos(run(exact, x), ship) > 0.99 and cos(run(exact, x), ship) > cos(run(requantized, x), ship)
     profile = {"x": {"min": [1, 3, 64, 64], "opt": [1, 3, 320, 320], "max": [1, 3, 640, 640]}}
-    eng = engine_from_onnx(tmp_path / "conv.onnx", tmp_path / "det.engine", [profile], "8.6",
-                           {"optimization_level": 3, "workspace_mib": None}, Backend("tensorrt_rtx"), show_progress=False)
-    assert eng.metrics["engine_bytes"] > 1_000_000
+    for name, m in (("exact", exact), ("requantized", requantized)):
+        onnx.save(m, str(tmp_path / f"{name}.onnx"))
+        eng = engine_from_onnx(tmp_path / f"{name}.onnx", tmp_path / f"{name}.engine", [profile], "8.6",
+                               {"optimization_level": 3, "workspace_mib": None}, Backend("tensorrt_rtx"), show_progress=False)
+        assert eng.metrics["engine_bytes"] > 1_000_000
