@@ -537,16 +537,16 @@ def validate(ctx: BuildContext) -> StageResult:
                           f"({r.metrics['cosine_source']}), below "
                           f"accuracy.min_cosine={ctx.cfg.accuracy.min_cosine}{spread_note(r.details, reference_label)}",
                           stage="validate", file=label,
-                          fix=_accuracy_fix(ctx))
+                          fix=_accuracy_fix(ctx, r.details.get("reference_spread", {}).get("cosine_min")))
         e.result = r
         raise e
     return r
 
 
-def _accuracy_fix(ctx: BuildContext) -> str:
+def _accuracy_fix(ctx: BuildContext, spread: float | None = None) -> str:
     from tasks.prequant import accuracy_fix
 
-    return accuracy_fix(prequantized(ctx) or {})
+    return accuracy_fix(prequantized(ctx) or {}, spread, ctx.cfg.accuracy.min_cosine)
 
 
 def benchmark(ctx: BuildContext) -> StageResult:

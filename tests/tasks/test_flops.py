@@ -97,6 +97,28 @@ def test_matmul_and_deconvolution_flops(tmp_path, backend):
     assert [r["flops"] for r in _by_type(rows, "MATRIX_MULTIPLY")] == [2 * (8 * 3 * 5) * 10]  # 2 * out * K (opt N=8)
 
 
+def test_batched_matmul_on_a_quantized_2d_weight_counts_as_int8(tmp_path, backend):
+    """[n, 3, 10] x [10, 5]: the parser reshapes the DQ'd weight (a SHUFFLE between DQ and the matrix multiply);
+    both operands are still int8 Q/DQ, as in every quantized transformer's Linear layers."""
+    rng = np.random.default_rng(1)
+    inits = [numpy_helper.from_array(rng.integers(-127, 128, (10, 5)).astype(np.int8), "wq"),
+             numpy_helper.from_array(np.array(0.01, np.float32), "ws"), numpy_helper.from_array(np.array(0, np.int8), "z"),
+             numpy_helper.from_array(np.array(0.05, np.float32), "s")]
+    g = helper.make_graph(
+        [helper.make_node("QuantizeLinear", ["a", "s", "z"], ["aq"]), helper.make_node("DequantizeLinear", ["aq", "s", "z"], ["ad"]),
+         helper.make_node("DequantizeLinear", ["wq", "ws", "z"], ["w"]), helper.make_node("MatMul", ["ad", "w"], ["y"], name="mm")],
+        "g", [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["n", 3, 10])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(tmp_path / "qmm.onnx"))
+    prof = [{"a": {"min": [1, 3, 10], "opt": [8, 3, 10], "max": [16, 3, 10]}}]
+    p = precision_profile_from_onnx([tmp_path / "qmm.onnx"], [prof], backend)
+    assert "SHUFFLE" in {r["type"] for r in p["layers"]}  # what hid the DQ before
+    assert [r["precision"] for r in _by_type(p["layers"], "MATRIX_MULTIPLY")] == ["int8"]
+    assert p["metrics"]["flops_share"]["int8"] == 1.0, p["metrics"]
+
+
 def test_summary_of_no_float_flops_and_files(graphs, backend):
     s = summarize([{"type": "SHUFFLE", "precision": "fp32", "flops": 0.0}])
     assert "flops_share" not in s and "conv_int8_share" not in s  # no FLOPs at all: no share is made up

@@ -119,6 +119,9 @@ def test_quantization_is_detected(quantized_models, converted, tiny_onnx):
                            "1 pair runs in float")
     assert "model.asymmetric=exact" in accuracy_fix(q)  # the way back when the requantized model misses the budget
     assert "model.asymmetric" not in accuracy_fix({"requantized_pairs": 0})
+    fix = accuracy_fix(q, spread=0.93241, min_cosine=0.99)  # the shipped model differs from itself more than the budget
+    assert "reproducible only to cosine 0.9324" in fix and "accuracy.min_cosine=0.932" in fix, fix
+    assert accuracy_fix(q, spread=0.9999, min_cosine=0.99) == accuracy_fix(q)  # a stable model: the conversion's fix
     assert quantization_of(onnx.load(str(quantized_models["dynamic"]))) == {"qdq": 0, "dynamic": 4, "qlinear": 0}
     assert quantization_of(onnx.load(str(quantized_models["qoperator"])))["qlinear"] == 2
     assert quantization_of(onnx.load(str(tiny_onnx))) == {"qdq": 0, "dynamic": 0, "qlinear": 0}
