@@ -3,6 +3,8 @@ PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# large wheels (torch, paddlepaddle) over a flaky link: resume a cut download instead of failing the setup
+PIP    := $(PY) -m pip install -q --retries 10 --resume-retries 20
 
 TARGET    ?= sm_86
 MODEL     ?=
@@ -27,13 +29,13 @@ PADDLE_MODEL = $(if $(MODEL),$(shell grep -ls '^format: *paddle' conf/model/$(MO
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,torch]'
+	$(PIP) -e '.[test,torch]'
 	@touch $(STAMP)
 
 $(PADDLE_STAMP): $(STAMP) Makefile
-	$(PY) -m pip install -q -e '.[test,torch,paddle]'
-	$(PY) -m pip install -q --no-deps paddle2onnx==2.1.0
-	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/paddle2onnx-1.3.1 paddle2onnx==1.3.1
+	$(PIP) -e '.[test,torch,paddle]'
+	$(PIP) --no-deps paddle2onnx==2.1.0
+	$(PIP) --no-deps --upgrade --target $(VENV)/paddle2onnx-1.3.1 paddle2onnx==1.3.1
 	@touch $(PADDLE_STAMP)
 
 setup: $(STAMP)

@@ -26,7 +26,8 @@ They are built as they are, with their own scales, never recalibrated. What Tens
   asymmetric, per tensor) is computed once into a constant; int32 biases are folded to float;
 - asymmetric="float": every asymmetric pair and weight runs in float;
 - QLinearConv / QLinearMatMul (QOperator format) are rewritten as DequantizeLinear -> Conv/MatMul -> QuantizeLinear
-  with the same scales, then treated as above;
+  with the same scales, and ONNX Runtime's contrib QLinear ops (QLINEAR_CONTRIB, QLinearConcat) as DQ -> float op -> Q,
+  then treated as above;
 - dynamic quantization (DynamicQuantizeLinear, ConvInteger, MatMulInteger) runs natively in ONNX Runtime (the
   partition stage places it), or with model.dequantize_dynamic=true is dequantized: MatMulInteger/ConvInteger
   become float MatMul/Conv on the dequantized weights.
@@ -47,10 +48,10 @@ LAYERS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
 
 def quantization_of(model: onnx.ModelProto) -> dict:
     """What quantization a model carries: {"qdq": DequantizeLinear count, "dynamic": dynamic quantization ops,
-    "qlinear": QLinearConv/QLinearMatMul (ONNX Runtime's QOperator format)}."""
+    "qlinear": QLinear* ops (ONNX Runtime's QOperator format: QLinearConv/QLinearMatMul and its contrib ops)}."""
     ops = Counter(n.op_type for n in model.graph.node)
     return {"qdq": ops["DequantizeLinear"], "dynamic": sum(ops[o] for o in DYNAMIC_OPS),
-            "qlinear": ops["QLinearConv"] + ops["QLinearMatMul"]}
+            "qlinear": sum(c for o, c in ops.items() if o.startswith("QLinear"))}
 
 
 def describe(q: dict) -> str:
@@ -60,7 +61,7 @@ def describe(q: dict) -> str:
     if q.get("dynamic"):
         parts.append(f"{q['dynamic']} dynamic quantization ops")
     if q.get("qlinear"):
-        parts.append(f"{q['qlinear']} QLinearConv/QLinearMatMul")
+        parts.append(f"{q['qlinear']} QLinear ops")
     def n(key: str, one: str, many: str) -> str:
         return f"{q[key]} {one if q[key] == 1 else many}"
 
@@ -111,7 +112,7 @@ def trt_from_prequantized(model: onnx.ModelProto, dequantize_dynamic: bool = Fal
              "shifted_pairs": 0, "requantized_pairs": 0, "high_precision_pairs": 0, "requantized_weights": 0,
              "dequantized_dynamic": 0}
     shifts: list[tuple] = []  # (unshift node, shift constant): folded into the layer that reads them, after the weights
-    stats["qlinear_rewritten"] = _qdq_from_qlinear(model, inits)
+    stats["qlinear_rewritten"] = _qdq_from_qlinear(model, inits) + _qdq_from_qlinear_contrib(g)
     stats["quantized_constants"] = _constants_from_quantized_constants(g, inits)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     producers = {o: n for n in g.node for o in n.output}
@@ -187,8 +188,10 @@ def trt_from_prequantized(model: onnx.ModelProto, dequantize_dynamic: bool = Fal
             _add(g, inits, zname, np.zeros(zp.shape, np.int8))
             dq.input[0], dq.input[2] = name, zname
             stats["int8_from_uint8"] += 1
-        elif _is_fp8(data) or (data.dtype == np.int8 and (zp is None or not zp.any())):
-            pass
+        elif (_is_fp8(data) or (data.dtype == np.int8 and (zp is None or not zp.any()))) and consumers \
+                and all(_weight_of(c, dq.output[0]) for c in consumers):
+            pass  # a layer's int8 weights; a quantized constant elsewhere (an Add's operand, QLinearAdd's constant
+            # after the rewrite) gains nothing in int8 and the parser's broadcast reshape would separate it from its DQ
         elif asymmetric == "exact" and opset >= 13 and _shifted_int8_weights(g, dq, inits, consumers):
             stats["shifted_weights"] = stats.get("shifted_weights", 0) + 1
         elif (asymmetric == "int8" and consumers and all(_weight_of(c, dq.output[0]) for c in consumers)
@@ -268,6 +271,56 @@ def _qdq_from_qlinear(model, inits) -> int:
         g.node.remove(node)
         for i, n in enumerate(nodes):
             g.node.insert(at + i, n)
+        count += 1
+    return count
+
+
+# ONNX Runtime's QOperator contrib ops (com.microsoft) on activations: op -> (float op, the (x, scale, zero point)
+# input triples, the output's (scale, zero point) inputs, the attributes the float op takes). Each becomes
+# DequantizeLinear per input -> the float op -> QuantizeLinear with the same scales: the arithmetic ONNX Runtime does
+# in float, and pairs TensorRT can fuse (the rules above then apply to them).
+QLINEAR_CONTRIB = {
+    "QLinearAdd": ("Add", [(0, 1, 2), (3, 4, 5)], (6, 7), ()),
+    "QLinearMul": ("Mul", [(0, 1, 2), (3, 4, 5)], (6, 7), ()),
+    "QLinearSigmoid": ("Sigmoid", [(0, 1, 2)], (3, 4), ()),
+    "QLinearLeakyRelu": ("LeakyRelu", [(0, 1, 2)], (3, 4), ("alpha",)),
+    "QLinearGlobalAveragePool": ("GlobalAveragePool", [(0, 1, 2)], (3, 4), ()),
+    "QLinearAveragePool": ("AveragePool", [(0, 1, 2)], (3, 4),
+                           ("auto_pad", "ceil_mode", "count_include_pad", "kernel_shape", "pads", "strides")),
+}
+
+
+def _qdq_from_qlinear_contrib(g) -> int:
+    """ONNX Runtime's QLinearAdd/Mul/Sigmoid/LeakyRelu/(Global)AveragePool/Concat -> DQ -> float op -> Q (NCHW only:
+    a channels_last variant stays as it is and runs natively). Returns how many were rewritten."""
+    count = 0
+    for node in [n for n in g.node if n.domain == "com.microsoft" and (n.op_type in QLINEAR_CONTRIB or n.op_type == "QLinearConcat")]:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        if attrs.get("channels_last"):
+            continue
+        ins = list(node.input)
+        if node.op_type == "QLinearConcat":  # Y_scale, Y_zero_point, then (X, X_scale, X_zero_point) per input
+            op, triples, out, keep = "Concat", [(i, i + 1, i + 2) for i in range(2, len(ins), 3)], (0, 1), ("axis",)
+        else:
+            op, triples, out, keep = QLINEAR_CONTRIB[node.op_type]
+        if any(len(ins) <= t[1] for t in triples):
+            continue
+        p = node.name or node.output[0]
+        at = ins + [""] * (max(max(t) for t in triples + [out]) + 1 - len(ins))
+        nodes, floats = [], []
+        for k, (x, sc, zp) in enumerate(triples):
+            name = f"{p}_in{k}_dq"
+            nodes.append(onnx.helper.make_node("DequantizeLinear", [at[x], at[sc]] + ([at[zp]] if at[zp] else []),
+                                               [name], name=name))
+            floats.append(name)
+        nodes.append(onnx.helper.make_node(op, floats, [f"{p}_float"], name=f"{p}_float",
+                                           **{k: v for k, v in attrs.items() if k in keep}))
+        nodes.append(onnx.helper.make_node("QuantizeLinear", [f"{p}_float", at[out[0]]] + ([at[out[1]]] if at[out[1]] else []),
+                                           [node.output[0]], name=f"{p}_q"))
+        i = list(g.node).index(node)
+        g.node.remove(node)
+        for j, n in enumerate(nodes):
+            g.node.insert(i + j, n)
         count += 1
     return count
 

@@ -293,3 +293,49 @@ def test_ppocr_det_quantized_by_quantize_static_defaults_keeps_int8_and_its_accu
         eng = engine_from_onnx(tmp_path / f"{name}.onnx", tmp_path / f"{name}.engine", [profile], "8.6",
                                {"optimization_level": 3, "workspace_mib": None}, Backend("tensorrt_rtx"), show_progress=False)
         assert eng.metrics["engine_bytes"] > 1_000_000
+
+
+def test_qoperator_contrib_ops_become_qdq_and_one_tensorrt_graph(tmp_path):
+    """ONNX Runtime's QOperator format puts its contrib QLinear ops (com.microsoft) on Add, Mul, GlobalAveragePool,
+    Sigmoid and Concat, with their constants quantized. They become DQ -> float op -> Q with the same scales (then the
+    pair rules), the quantized constants fold to float, nothing foreign is left, and the graph builds one engine."""
+    import onnxruntime as ort
+    from onnxruntime.quantization import QuantFormat, quantize_static
+
+    from tasks.backend import Backend
+    from tasks.build import engine_from_onnx
+    from tests.conftest import save_image_model
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((8, 3, 3, 3)).astype(np.float32) * 0.3, "w1"),
+             numpy_helper.from_array(rng.standard_normal((8, 8, 3, 3)).astype(np.float32) * 0.2, "w2"),
+             numpy_helper.from_array(np.float32(0.7).reshape(()), "k")]
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2"], ["c2"], pads=[1, 1, 1, 1]),
+             helper.make_node("Add", ["c2", "r1"], ["a"]),  # residual
+             helper.make_node("Mul", ["a", "k"], ["m"]),  # a quantized constant operand
+             helper.make_node("GlobalAveragePool", ["m"], ["gap"]),
+             helper.make_node("Sigmoid", ["gap"], ["att"]),
+             helper.make_node("Mul", ["m", "att"], ["se"]),
+             helper.make_node("Concat", ["se", "r1"], ["cat"], axis=1),
+             helper.make_node("Conv", ["cat", "w3"], ["y"])]
+    inits.append(numpy_helper.from_array(rng.standard_normal((4, 16, 1, 1)).astype(np.float32) * 0.2, "w3"))
+    f32 = save_image_model(tmp_path / "f32.onnx", "se", nodes, inits, 4, [helper.make_opsetid("", 17)])
+    shipped = tmp_path / "qop.onnx"
+    quantize_static(str(f32), str(shipped), _Reader(8), quant_format=QuantFormat.QOperator)
+    ops = {n.op_type for n in onnx.load(str(shipped)).graph.node if n.domain == "com.microsoft"}
+    assert ops >= {"QLinearAdd", "QLinearMul", "QLinearGlobalAveragePool", "QLinearSigmoid", "QLinearConcat"}, ops
+
+    m, stats = trt_from_prequantized(onnx.load(str(shipped)))
+    assert not [n.op_type for n in m.graph.node if n.domain not in ("", "ai.onnx")]
+    assert stats["qlinear_rewritten"] >= 8 and stats["folded_constants"] >= 1 and stats["quantized_layers"] == 3
+    assert quantization_of(onnx.load(str(shipped)))["qlinear"] >= 8
+    x = np.random.default_rng(9).standard_normal((2, 3, 16, 16)).astype(np.float32)
+    a = ort.InferenceSession(str(shipped)).run(None, {"x": x})[0]
+    b = ort.InferenceSession(m.SerializeToString()).run(None, {"x": x})[0]
+    assert float((a * b).sum() / np.linalg.norm(a) / np.linalg.norm(b)) > 0.999
+    onnx.save(m, str(tmp_path / "m.onnx"))
+    eng = engine_from_onnx(tmp_path / "m.onnx", tmp_path / "m.engine", [TINY_PROFILE], "8.6",
+                           {"optimization_level": 0, "workspace_mib": None}, Backend("tensorrt_rtx"), show_progress=False)
+    assert eng.metrics["engine_bytes"] > 10_000
