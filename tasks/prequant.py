@@ -113,6 +113,7 @@ def trt_from_prequantized(model: onnx.ModelProto, dequantize_dynamic: bool = Fal
              "dequantized_dynamic": 0}
     shifts: list[tuple] = []  # (unshift node, shift constant): folded into the layer that reads them, after the weights
     stats["qlinear_rewritten"] = _qdq_from_qlinear(model, inits) + _qdq_from_qlinear_contrib(g)
+    stats["dq_before_movement"] = _dq_before_movement(g)
     stats["quantized_constants"] = _constants_from_quantized_constants(g, inits)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     producers = {o: n for n in g.node for o in n.output}
@@ -323,6 +324,53 @@ def _qdq_from_qlinear_contrib(g) -> int:
             g.node.insert(i + j, n)
         count += 1
     return count
+
+
+# ops that only select or move values: on a quantized tensor they commute with DequantizeLinear exactly
+# (QOperator graphs keep Resize, MaxPool, Reshape, ... on uint8 data, which TensorRT cannot take)
+MOVEMENT = ("Resize", "MaxPool", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Slice", "Gather",
+            "DepthToSpace", "SpaceToDepth", "Identity", "Expand", "Tile")
+
+
+def _dq_before_movement(g) -> int:
+    """Q -> M1 -> ... -> Mk -> DQ with value-selecting ops M (Resize only in nearest mode) becomes
+    Q -> DQ -> M1 -> ... -> Mk -> Q -> DQ, same scale and zero point: the same values (they stay on the grid), with the
+    movement in float and a pair on each side for TensorRT. Returns how many chains were rewritten."""
+    producers = {o: n for n in g.node for o in n.output}
+    readers: dict[str, list] = {}
+    for n in g.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    count = 0
+    for dq in [n for n in g.node if n.op_type == "DequantizeLinear"]:
+        chain, p = [], producers.get(dq.input[0])
+        while p is not None and p.op_type in MOVEMENT and (p.op_type != "Resize" or _attr(p, "mode", b"nearest") in (b"nearest", "nearest")):
+            if any(len(readers.get(o, [])) != 1 for o in p.output) or len(p.output) != 1:
+                chain = []
+                break
+            chain.append(p)
+            p = producers.get(p.input[0])
+        if not chain or p is None or p.op_type != "QuantizeLinear" or list(p.input[1:3]) != list(dq.input[1:3]):
+            continue
+        first, params = chain[-1], list(dq.input[1:3])
+        name = f"{first.name or first.output[0]}_in_dq"
+        g.node.insert(list(g.node).index(first), onnx.helper.make_node(
+            "DequantizeLinear", [first.input[0], *params], [name], name=name))
+        first.input[0] = name
+        qname = f"{dq.name or dq.output[0]}_requantized"
+        g.node.insert(list(g.node).index(dq), onnx.helper.make_node(
+            "QuantizeLinear", [dq.input[0], *params], [qname], name=qname))
+        dq.input[0] = qname
+        moved = {m.output[0] for m in chain}  # now float: drop their recorded (8-bit) types
+        keep = [v for v in g.value_info if v.name not in moved]
+        del g.value_info[:]
+        g.value_info.extend(keep)
+        count += 1
+    return count
+
+
+def _attr(node, name: str, default=None):
+    return next((onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
 
 
 def _zero_point(node, inits) -> np.ndarray | None:

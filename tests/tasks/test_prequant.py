@@ -297,8 +297,9 @@ def test_ppocr_det_quantized_by_quantize_static_defaults_keeps_int8_and_its_accu
 
 def test_qoperator_contrib_ops_become_qdq_and_one_tensorrt_graph(tmp_path):
     """ONNX Runtime's QOperator format puts its contrib QLinear ops (com.microsoft) on Add, Mul, GlobalAveragePool,
-    Sigmoid and Concat, with their constants quantized. They become DQ -> float op -> Q with the same scales (then the
-    pair rules), the quantized constants fold to float, nothing foreign is left, and the graph builds one engine."""
+    Sigmoid and Concat, with their constants quantized, and keeps Resize/MaxPool on uint8 data. They become DQ ->
+    float op -> Q with the same scales (then the pair rules), the quantized constants fold to float, the movement ops
+    run in float between pairs, nothing foreign or 8-bit-only is left, and the graph is one TensorRT subgraph."""
     import onnxruntime as ort
     from onnxruntime.quantization import QuantFormat, quantize_static
 
@@ -319,16 +320,24 @@ def test_qoperator_contrib_ops_become_qdq_and_one_tensorrt_graph(tmp_path):
              helper.make_node("Sigmoid", ["gap"], ["att"]),
              helper.make_node("Mul", ["m", "att"], ["se"]),
              helper.make_node("Concat", ["se", "r1"], ["cat"], axis=1),
-             helper.make_node("Conv", ["cat", "w3"], ["y"])]
+             helper.make_node("Resize", ["cat", "", "scales"], ["up"], mode="nearest"),  # QOperator keeps these on
+             helper.make_node("MaxPool", ["up"], ["down"], kernel_shape=[2, 2], strides=[2, 2]),  # uint8 data
+             helper.make_node("Conv", ["down", "w3"], ["y"])]
     inits.append(numpy_helper.from_array(rng.standard_normal((4, 16, 1, 1)).astype(np.float32) * 0.2, "w3"))
+    inits.append(numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales"))
     f32 = save_image_model(tmp_path / "f32.onnx", "se", nodes, inits, 4, [helper.make_opsetid("", 17)])
     shipped = tmp_path / "qop.onnx"
     quantize_static(str(f32), str(shipped), _Reader(8), quant_format=QuantFormat.QOperator)
     ops = {n.op_type for n in onnx.load(str(shipped)).graph.node if n.domain == "com.microsoft"}
     assert ops >= {"QLinearAdd", "QLinearMul", "QLinearGlobalAveragePool", "QLinearSigmoid", "QLinearConcat"}, ops
 
+    g0 = onnx.load(str(shipped)).graph
+    prod = {o: n for n in g0.node for o in n.output}
+    resize = next(n for n in g0.node if n.op_type == "Resize")  # QLinearConcat -> Resize -> MaxPool -> QLinearConv
+    assert prod[resize.input[0]].op_type == "QLinearConcat"  # on uint8 data
     m, stats = trt_from_prequantized(onnx.load(str(shipped)))
     assert not [n.op_type for n in m.graph.node if n.domain not in ("", "ai.onnx")]
+    assert stats["dq_before_movement"] == 1  # Q -> DQ -> Resize -> MaxPool -> Q -> DQ: the same values, in float
     assert stats["qlinear_rewritten"] >= 8 and stats["folded_constants"] >= 1 and stats["quantized_layers"] == 3
     assert quantization_of(onnx.load(str(shipped)))["qlinear"] >= 8
     x = np.random.default_rng(9).standard_normal((2, 3, 16, 16)).astype(np.float32)
@@ -336,6 +345,14 @@ def test_qoperator_contrib_ops_become_qdq_and_one_tensorrt_graph(tmp_path):
     b = ort.InferenceSession(m.SerializeToString()).run(None, {"x": x})[0]
     assert float((a * b).sum() / np.linalg.norm(a) / np.linalg.norm(b)) > 0.999
     onnx.save(m, str(tmp_path / "m.onnx"))
+    from tasks.inputs import generated_feeds
+    from tasks.models import graph_io, load_onnx
+    from tasks.partition import plan_from_onnx
+
+    ins, _ = graph_io(load_onnx(tmp_path / "m.onnx"))
+    plan = plan_from_onnx(tmp_path / "m.onnx", {"min_subgraph_size": 3, "exclude_ops": [], "strict": False},
+                          Backend("tensorrt_rtx"), tmp_path / "plan", [generated_feeds(ins, [TINY_PROFILE], 0, 0)])
+    assert plan.metrics["trt_subgraphs"] == 1 and plan.metrics["fallback_nodes"] == 0, plan.details["fallback_nodes"]
     eng = engine_from_onnx(tmp_path / "m.onnx", tmp_path / "m.engine", [TINY_PROFILE], "8.6",
                            {"optimization_level": 0, "workspace_mib": None}, Backend("tensorrt_rtx"), show_progress=False)
     assert eng.metrics["engine_bytes"] > 10_000
