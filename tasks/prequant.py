@@ -116,12 +116,8 @@ def trt_from_prequantized(model: onnx.ModelProto, dequantize_dynamic: bool = Fal
     stats["dq_before_movement"] = _dq_before_movement(g)
     stats["quantized_constants"] = _constants_from_quantized_constants(g, inits)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-    producers = {o: n for n in g.node for o in n.output}
+    producers, readers = _links(g)
     pairs: dict[str, dict] = {}  # tensor -> what became of its pair (kept, exact, requantized with its widening, float)
-    readers: dict[str, list] = {}
-    for n in g.node:
-        for i in n.input:
-            readers.setdefault(i, []).append(n)
 
     def feeds_layer(q) -> bool:  # the pair quantizes an input of a Conv/MatMul/Gemm: TensorRT's int8 layers need it
         dqs = [d for d in readers.get(q.output[0], []) if d.op_type == "DequantizeLinear"]
@@ -268,10 +264,7 @@ def _qdq_from_qlinear(model, inits) -> int:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         nodes += [onnx.helper.make_node("Conv" if conv else "MatMul", ins, [f"{p}_float"], name=f"{p}_float", **attrs),
                   onnx.helper.make_node("QuantizeLinear", [f"{p}_float", ys, yz], [node.output[0]], name=f"{p}_q")]
-        at = list(g.node).index(node)
-        g.node.remove(node)
-        for i, n in enumerate(nodes):
-            g.node.insert(at + i, n)
+        _replace_node(g, node, nodes)
         count += 1
     return count
 
@@ -318,12 +311,27 @@ def _qdq_from_qlinear_contrib(g) -> int:
                                            **{k: v for k, v in attrs.items() if k in keep}))
         nodes.append(onnx.helper.make_node("QuantizeLinear", [f"{p}_float", at[out[0]]] + ([at[out[1]]] if at[out[1]] else []),
                                            [node.output[0]], name=f"{p}_q"))
-        i = list(g.node).index(node)
-        g.node.remove(node)
-        for j, n in enumerate(nodes):
-            g.node.insert(i + j, n)
+        _replace_node(g, node, nodes)
         count += 1
     return count
+
+
+def _links(g) -> tuple[dict, dict]:
+    """{tensor: the node that makes it}, {tensor: the nodes that read it}."""
+    producers = {o: n for n in g.node for o in n.output}
+    readers: dict[str, list] = {}
+    for n in g.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    return producers, readers
+
+
+def _replace_node(g, node, nodes: list) -> None:
+    """Put `nodes` where `node` was (keeping the graph's order)."""
+    at = list(g.node).index(node)
+    g.node.remove(node)
+    for i, n in enumerate(nodes):
+        g.node.insert(at + i, n)
 
 
 # ops that only select or move values: on a quantized tensor they commute with DequantizeLinear exactly
@@ -336,11 +344,7 @@ def _dq_before_movement(g) -> int:
     """Q -> M1 -> ... -> Mk -> DQ with value-selecting ops M (Resize only in nearest mode) becomes
     Q -> DQ -> M1 -> ... -> Mk -> Q -> DQ, same scale and zero point: the same values (they stay on the grid), with the
     movement in float and a pair on each side for TensorRT. Returns how many chains were rewritten."""
-    producers = {o: n for n in g.node for o in n.output}
-    readers: dict[str, list] = {}
-    for n in g.node:
-        for i in n.input:
-            readers.setdefault(i, []).append(n)
+    producers, readers = _links(g)
     count = 0
     for dq in [n for n in g.node if n.op_type == "DequantizeLinear"]:
         chain, p = [], producers.get(dq.input[0])
@@ -777,11 +781,7 @@ def _unique(base: str, taken) -> str:
 def _dequantize_dynamic(g, inits) -> int:
     """MatMulInteger/ConvInteger(DynamicQuantizeLinear(x), W_q) -> Cast -> Mul(scale_x * scale_w) becomes a float
     MatMul/Conv of x with W = (W_q - zp) * scale_w (ONNX Runtime's quantize_dynamic pattern). Returns the count."""
-    producers = {o: n for n in g.node for o in n.output}
-    consumers: dict[str, list] = {}
-    for n in g.node:
-        for i in n.input:
-            consumers.setdefault(i, []).append(n)
+    producers, consumers = _links(g)
     count = 0
     for node in [n for n in g.node if n.op_type in ("MatMulInteger", "ConvInteger")]:
         dql = producers.get(node.input[0])
