@@ -51,7 +51,7 @@ def quantization_of(model: onnx.ModelProto) -> dict:
     "qlinear": QLinear* ops (ONNX Runtime's QOperator format: QLinearConv/QLinearMatMul and its contrib ops)}."""
     ops = Counter(n.op_type for n in model.graph.node)
     return {"qdq": ops["DequantizeLinear"], "dynamic": sum(ops[o] for o in DYNAMIC_OPS),
-            "qlinear": sum(c for o, c in ops.items() if o.startswith("QLinear"))}
+            "qlinear": sum(c for o, c in ops.items() if o.startswith("QLinear") or o == "QGemm")}
 
 
 def describe(q: dict) -> str:
@@ -236,34 +236,43 @@ def _per_channel_opset(model: onnx.ModelProto) -> tuple[onnx.ModelProto, bool]:
 
 
 def _qdq_from_qlinear(model, inits) -> int:
-    """QLinearConv / QLinearMatMul (ONNX Runtime's QOperator format) -> DequantizeLinear on input and weight, the float
-    op (the int32 bias scaled into a float bias), QuantizeLinear on the output: the Q/DQ form TensorRT reads, same scales."""
+    """QLinearConv / QLinearMatMul (ONNX Runtime's QOperator format) and its contrib QGemm -> DequantizeLinear on input
+    and weight, the float op (the int32 bias scaled into a float bias), QuantizeLinear on the output (QGemm without an
+    output scale: float out): the Q/DQ form TensorRT reads, same scales."""
     g = model.graph
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     count = 0
-    for node in [n for n in g.node if n.op_type in ("QLinearConv", "QLinearMatMul")]:
-        x, xs, xz, w, ws, wz, ys, yz = node.input[:8]
+    for node in [n for n in g.node if n.op_type in ("QLinearConv", "QLinearMatMul") or
+                 (n.op_type == "QGemm" and n.domain == "com.microsoft")]:
+        gemm = node.op_type == "QGemm"
+        ins = list(node.input) + [""] * 9
+        x, xs, xz, w, ws, wz = ins[:6]
+        bias_in, ys, yz = (ins[6], ins[7], ins[8]) if gemm else (ins[8], ins[6], ins[7])
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         w_scale = numpy_helper.to_array(inits[ws]) if ws in inits else None
-        if w_scale is None or (w_scale.size > 1 and opset < 13):  # per-axis DequantizeLinear needs opset 13
+        if w_scale is None or (w_scale.size > 1 and opset < 13) or attrs.get("transA"):  # per-axis DQ needs opset 13
             continue
         conv = node.op_type == "QLinearConv"
         p = node.name or node.output[0]
-        axis = {"axis": 0 if conv else 1} if w_scale.size > 1 else {}
-        nodes = [onnx.helper.make_node("DequantizeLinear", [x, xs, xz], [f"{p}_x_dq"], name=f"{p}_x_dq"),
-                 onnx.helper.make_node("DequantizeLinear", [w, ws, wz], [f"{p}_w_dq"], name=f"{p}_w_dq", **axis)]
-        ins = [f"{p}_x_dq", f"{p}_w_dq"]
-        if conv and len(node.input) > 8 and node.input[8]:
-            if node.input[8] not in inits or xs not in inits:
+        axis = {"axis": 0 if conv or (gemm and attrs.get("transB")) else 1} if w_scale.size > 1 else {}
+        nodes = [onnx.helper.make_node("DequantizeLinear", [x, xs] + ([xz] if xz else []), [f"{p}_x_dq"], name=f"{p}_x_dq"),
+                 onnx.helper.make_node("DequantizeLinear", [w, ws] + ([wz] if wz else []), [f"{p}_w_dq"], name=f"{p}_w_dq", **axis)]
+        floats = [f"{p}_x_dq", f"{p}_w_dq"]
+        if (conv or gemm) and bias_in:
+            if bias_in not in inits or xs not in inits:
                 continue
-            bias = numpy_helper.to_array(inits[node.input[8]]).astype(np.float32) * \
+            bias = numpy_helper.to_array(inits[bias_in]).astype(np.float32) * \
                 (numpy_helper.to_array(inits[xs]).astype(np.float32) * w_scale.astype(np.float32)).reshape(-1)
             name = _unique(f"{p}_bias_float", inits)
             inits[name] = numpy_helper.from_array(bias.astype(np.float32), name)
             g.initializer.append(inits[name])
-            ins.append(name)
-        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        nodes += [onnx.helper.make_node("Conv" if conv else "MatMul", ins, [f"{p}_float"], name=f"{p}_float", **attrs),
-                  onnx.helper.make_node("QuantizeLinear", [f"{p}_float", ys, yz], [node.output[0]], name=f"{p}_q")]
+            floats.append(name)
+        op = "Conv" if conv else "Gemm" if gemm else "MatMul"
+        out = f"{p}_float" if ys else node.output[0]
+        nodes.append(onnx.helper.make_node(op, floats, [out], name=f"{p}_float", **attrs))
+        if ys:
+            nodes.append(onnx.helper.make_node("QuantizeLinear", [out, ys] + ([yz] if yz else []), [node.output[0]],
+                                               name=f"{p}_q"))
         _replace_node(g, node, nodes)
         count += 1
     return count

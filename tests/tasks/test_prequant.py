@@ -356,3 +356,47 @@ def test_qoperator_contrib_ops_become_qdq_and_one_tensorrt_graph(tmp_path):
     eng = engine_from_onnx(tmp_path / "m.onnx", tmp_path / "m.engine", [TINY_PROFILE], "8.6",
                            {"optimization_level": 0, "workspace_mib": None}, Backend("tensorrt_rtx"), show_progress=False)
     assert eng.metrics["engine_bytes"] > 10_000
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_qoperator_classifier_head_qgemm_becomes_one_tensorrt_graph(tmp_path, per_channel):
+    """A classifier in QOperator format: QLinearConv -> QLinearGlobalAveragePool -> Flatten (on uint8) -> QGemm with
+    an int32 bias. QGemm becomes DQ -> Gemm -> Q with the bias in float; the whole model is one TensorRT subgraph."""
+    import onnxruntime as ort
+    from onnxruntime.quantization import QuantFormat, quantize_static
+
+    from tasks.backend import Backend
+    from tasks.inputs import generated_feeds
+    from tasks.models import graph_io, load_onnx
+    from tasks.partition import plan_from_onnx
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((8, 3, 3, 3)).astype(np.float32) * 0.3, "w1"),
+             numpy_helper.from_array(rng.standard_normal((10, 8)).astype(np.float32) * 0.3, "fc"),
+             numpy_helper.from_array(rng.standard_normal(10).astype(np.float32) * 0.1, "fcb")]
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]), helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("GlobalAveragePool", ["r1"], ["g"]), helper.make_node("Flatten", ["g"], ["f"]),
+             helper.make_node("Gemm", ["f", "fc", "fcb"], ["y"], transB=1)]
+    graph = helper.make_graph(nodes, "cls", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 16, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 10])], inits)
+    f32 = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    f32.ir_version = 8
+    onnx.save(f32, str(tmp_path / "f32.onnx"))
+    shipped = tmp_path / "qop.onnx"
+    quantize_static(str(tmp_path / "f32.onnx"), str(shipped), _Reader(8), quant_format=QuantFormat.QOperator,
+                    per_channel=per_channel)
+    assert "QGemm" in {n.op_type for n in onnx.load(str(shipped)).graph.node}
+
+    m, stats = trt_from_prequantized(onnx.load(str(shipped)))
+    assert not [n.op_type for n in m.graph.node if n.domain not in ("", "ai.onnx")]
+    assert stats["quantized_layers"] == 2 and any(n.op_type == "Gemm" for n in m.graph.node)
+    x = np.random.default_rng(9).standard_normal((2, 3, 16, 16)).astype(np.float32)
+    a = ort.InferenceSession(str(shipped)).run(None, {"x": x})[0]
+    b = ort.InferenceSession(m.SerializeToString()).run(None, {"x": x})[0]
+    assert float((a * b).sum() / np.linalg.norm(a) / np.linalg.norm(b)) > 0.999
+    onnx.save(m, str(tmp_path / "m.onnx"))
+    prof = {"x": {"min": [1, 3, 16, 16], "opt": [2, 3, 16, 16], "max": [4, 3, 16, 16]}}
+    ins, _ = graph_io(load_onnx(tmp_path / "m.onnx"))
+    plan = plan_from_onnx(tmp_path / "m.onnx", {"min_subgraph_size": 3, "exclude_ops": [], "strict": False},
+                          Backend("tensorrt_rtx"), tmp_path / "plan", [generated_feeds(ins, [prof], 0, 0)])
+    assert plan.metrics["trt_subgraphs"] == 1 and plan.metrics["fallback_nodes"] == 0, plan.details["fallback_nodes"]
