@@ -1,8 +1,9 @@
 """Models that arrive already quantized (PaddleSlim, ModelOpt, ONNX Runtime, quantization-aware training).
 
 They are built as they are, with their own scales, never recalibrated. What TensorRT cannot take is converted:
-- DequantizeLinear of a constant TensorRT cannot read (int32 bias, uint8/int8 with another zero point, 16-bit) is
-  folded into a float constant (exact: it is what ONNX Runtime computes);
+- DequantizeLinear of a constant TensorRT cannot read (int32 bias, uint8/int8 with another zero point, 16-bit), or
+  of one that is no Conv/MatMul/Gemm weight (an Add's or Mul's operand), is folded into a float constant (exact: it is
+  what ONNX Runtime computes);
 - a uint8 Q/DQ pair with zero point 128 becomes int8 with zero point 0: the same values, exactly;
 - any other 8-bit activation pair with a per-tensor scale (uint8 asymmetric, int8 with a zero point: ONNX Runtime's
   quantize_static default), by default (asymmetric="exact"), keeps the model's own rounding: with k the zero point's
@@ -25,9 +26,10 @@ They are built as they are, with their own scales, never recalibrated. What Tens
 - QuantizeLinear of a constant (quantize_static quantizes weights stored as Constant nodes like activations: uint8,
   asymmetric, per tensor) is computed once into a constant; int32 biases are folded to float;
 - asymmetric="float": every asymmetric pair and weight runs in float;
-- QLinearConv / QLinearMatMul (QOperator format) are rewritten as DequantizeLinear -> Conv/MatMul -> QuantizeLinear
-  with the same scales, and ONNX Runtime's contrib QLinear ops (QLINEAR_CONTRIB, QLinearConcat) as DQ -> float op -> Q,
-  then treated as above;
+- QLinearConv / QLinearMatMul / QGemm (QOperator format) are rewritten as DequantizeLinear -> Conv/MatMul/Gemm ->
+  QuantizeLinear with the same scales, and ONNX Runtime's contrib QLinear ops (QLINEAR_CONTRIB, QLinearConcat) as
+  DQ -> float op -> Q; value-selecting ops the format leaves on 8-bit data (MOVEMENT: Resize in nearest mode, MaxPool,
+  Reshape, ...) run in float between a DQ and a Q of the same scale; then treated as above;
 - dynamic quantization (DynamicQuantizeLinear, ConvInteger, MatMulInteger) runs natively in ONNX Runtime (the
   partition stage places it), or with model.dequantize_dynamic=true is dequantized: MatMulInteger/ConvInteger
   become float MatMul/Conv on the dequantized weights.
