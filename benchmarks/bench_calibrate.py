@@ -144,7 +144,7 @@ def modelopt_table(fp32: Path, feeds, held, tmp: Path, quick: bool, budget: Path
         r = qdq_from_onnx(fp32, feeds, tmp / f"ours_fp32_{method}.onnx", method=method, eval_feeds=held,
                           workdir=tmp / f"mo_work_{method}", high_precision="fp32")
         ours[method] = {"path": r.files["onnx"], "seconds": r.metrics["calibrate_seconds"],
-                        "cosine": r.metrics["calibrate_cosine_all"]}
+                        "cosine": r.metrics["search_cosine_all_quantized"]}
     prepared = r.files["fp32_prepared"]
     runs = [(m, "fp32") for m in dict.fromkeys(m for _, m in MODELOPT_PAIRS)] + ([] if quick else [("entropy", "fp16")])
     spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: ModelOpt patches ORT's calibrators on import
@@ -234,7 +234,7 @@ def main() -> int:
             ours = time.perf_counter() - t0
             prepared = r.files["fp32_prepared"]
             cal = r.metrics["calibration_seconds"]
-            ours_cos = r.metrics["calibrate_cosine_all"]
+            ours_cos = r.metrics["search_cosine_all_quantized"]
             raw = raw_quantize_static(prepared, tmp / f"raw_{method}.onnx", feeds, method, None)
             raw_cos = cosine(prepared, tmp / f"raw_{method}.onnx", held)
             rows.append((f"{method}: trtforge qdq_from_onnx vs quantize_static (ORT default bins)", ours, raw, ours_cos, raw_cos))
@@ -249,7 +249,7 @@ def main() -> int:
             r = qdq_from_onnx(fp32, feeds, tmp / "budget.onnx", min_cosine=0.99, eval_feeds=held,
                               workdir=tmp / "work_budget")
             choice = r.details["range_choice"]
-            search = (time.perf_counter() - t0, r.metrics["quantized_layers"], r.metrics["calibrate_cosine_min"],
+            search = (time.perf_counter() - t0, r.metrics["quantized_layers"], r.metrics["search_cosine_worst_feed"],
                       {m: list(choice.values()).count(m) for m in sorted(set(choice.values()))}, r.files["onnx"])
         print(f"PP-OCRv4 det, {args.samples} text-image samples at 1x3x{args.size}x{args.size}, 2 held-out for cosine, "
               f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")

@@ -106,7 +106,8 @@ def main() -> int:
 
     from tasks.export import onnx_from_model
     from tasks.inputs import generated_feeds
-    from tasks.models import graph_io, load_onnx
+    from tasks.graph import load_onnx
+    from tasks.models import graph_io
 
     names = args.models.split(",") if args.models else [n for n in zoo.zoo_models()
                                                         if zoo.read_model(n).get("format", "onnx") == "onnx"]

@@ -29,26 +29,18 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tasks.metrics import cosine  # noqa: E402
 
 FILES = {"det": ("ch_PP-OCRv4_det_infer.onnx", 320, 320), "rec": ("ch_PP-OCRv4_rec_infer.onnx", 48, 320),
          "cls": ("ch_ppocr_mobile_v2.0_cls_infer.onnx", 48, 192)}
 MODES = ("exact", "int8", "float")
 
 
-def cosine(a: np.ndarray, b: np.ndarray) -> float:
-    a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
-    return float((a * b).sum() / np.linalg.norm(a) / np.linalg.norm(b))
-
-
 def run(model, x: np.ndarray, optimize: bool = True) -> np.ndarray:
-    import onnxruntime as ort
+    from tasks.ort import ort_session
 
-    so = ort.SessionOptions()
-    so.log_severity_level = 4
-    if not optimize:
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    data = str(model) if isinstance(model, Path) else model.SerializeToString()
-    return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    data = model if isinstance(model, Path) else model.SerializeToString()
+    return ort_session(data, optimization="all" if optimize else "none").run(None, {"x": x})[0]
 
 
 def measure(which: str, well: bool, n_calib: int, n_eval: int, workdir: Path) -> dict:

@@ -20,17 +20,20 @@ env_defaults()  # before Prefect and MLflow are imported
 
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from flows import stages  # noqa: E402
+from flows.context import CODE, TRTFORGE_VERSION, BuildContext, BuildIdentity  # noqa: E402
 from flows.lazy import NONE, flow, task  # noqa: E402  (Prefect is imported when a build has work)
 from flows.cache import (StageCache, build_key, new_result_dir, named_lock, publish_dir, published,  # noqa: E402
                          remove_result, result_dir)
+from flows.cli import expand_overrides, parse_args, print_stage, print_summary  # noqa: E402
 from flows.config import compose_config, flat_params, preflight  # noqa: E402
+from flows.sweep import jobs, run_sweep  # noqa: E402
 from tasks.errors import TrtforgeError  # noqa: E402
 from tasks.report import write_report  # noqa: E402
 from tasks.util import write_json  # noqa: E402
 
 
 @task(task_run_name="{name}", cache_policy=NONE, persist_result=False)
-def stage(name: str, ctx: stages.BuildContext) -> None:
+def stage(name: str, ctx: BuildContext) -> None:
     ctx.run(name, getattr(stages, name))
 
 
@@ -42,18 +45,18 @@ def track(**kwargs: Any) -> dict:
 
 
 @flow(name="trtforge-build", flow_run_name="{run_name}", validate_parameters=False, persist_result=False)
-def build_flow(ctx: stages.BuildContext, run_name: str) -> dict:
+def build_flow(ctx: BuildContext, run_name: str) -> dict:
     from prefect.runtime import flow_run
 
     ctx.origin = {"run": f"{flow_run.get_name()} ({flow_run.get_id()})"}  # stored with every result computed here
-    for name in ("export", "partition", "build", "calibrate", "validate", "benchmark"):
+    for name in stages.STAGE_NAMES:  # export, partition, build, calibrate, validate, benchmark
         stage(name, ctx)
         if ctx.error is not None and ctx.error.exit_code != 1:
             return None  # bad input (or a host that cannot build it) found mid-way: nothing is published or tracked
     return publish(ctx)
 
 
-def publish(ctx: stages.BuildContext) -> dict:
+def publish(ctx: BuildContext) -> dict:
     """Write the result in a fresh folder, log the MLflow run from it, then make it current in one atomic swap."""
     cfg = ctx.cfg
     ok = ctx.failed is None
@@ -64,7 +67,7 @@ def publish(ctx: stages.BuildContext) -> dict:
     tmp = new_result_dir(final)
     m = ctx.metrics
     if ok:
-        summary["engines"] = stages.publish_engines(ctx, tmp)
+        summary["engines"] = publish_engines(ctx, tmp)
         summary["engine"] = summary["engines"][0]
         m["engine_bytes"] = sum(e["bytes"] for e in summary["engines"])  # the shipped files, byte for byte
     summary["metrics"] = {k: v for k, v in sorted(m.items())}
@@ -77,22 +80,24 @@ def publish(ctx: stages.BuildContext) -> dict:
                            ("precision_profile_plot", "precision_profile.png"), ("prequant", "prequant.json")):
             if key in r.files:
                 (tmp / fname).write_bytes(Path(r.files[key]).read_bytes())
-    data = {key: ctx.results[stage].details["data"] for key, stage in (("calibration", "calibrate"), ("validation", "validate"))
-            if stage in ctx.results and "data" in ctx.results[stage].details}
+    if "validate" in ctx.results:  # the accuracy verdict in words: what was measured, on what, and how strong it is
+        summary["verdict"] = ctx.results["validate"].details.get("verdict")
+    data = ctx.data.summary()  # calibration / search / validation: disjoint sets, their samples and source
     if data:
         summary["data"] = data
     resolved = OmegaConf.to_yaml(cfg)
     (tmp / "config.yaml").write_text(resolved)
     summary["versions"] = versions(ctx)
     summary["host"] = socket.gethostname()  # where these numbers were measured (an up-to-date answer says so)
-    summary["cache_key"] = ctx.facts["cache_key"]
+    summary["cache_key"] = ctx.identity.cache_key
     write_json(tmp / "summary.json", summary)
     write_report(tmp)
     try:
         run = track(experiment=cfg.experiment, summary=dict(summary), params=flat_params(cfg), resolved_yaml=resolved,
                     out_dir=tmp, engine_files=[tmp / e["file"] for e in summary["engines"]], versions=summary["versions"],
-                    build_id=ctx.facts["build_id"], provenance=ctx.facts["provenance"],
-                    tolerance=ctx.facts.get("tolerance"))
+                    build_id=ctx.identity.build_id, provenance={"config_dir": ctx.identity.config_dir,
+                                                                "overrides": ctx.identity.overrides},
+                    tolerance=ctx.identity.tolerance)
         summary["mlflow"] = run
         write_json(tmp / "summary.json", summary)  # with its run: what the up-to-date check compares
         publish_dir(tmp, final)
@@ -108,7 +113,23 @@ def publish(ctx: stages.BuildContext) -> dict:
     return summary
 
 
-def versions(ctx: stages.BuildContext) -> dict[str, str]:
+def publish_engines(ctx: BuildContext, out: Path) -> list[dict]:
+    """Copy (hard-link when possible) the deliverable engine(s), one per TensorRT segment, into the output folder."""
+    from tasks.build import engines_of
+    from tasks.util import sha256_file
+
+    result = []
+    for _, src, _ in engines_of(stages.deliverable(ctx)):
+        dst = out / Path(src).name
+        try:
+            dst.hardlink_to(src)
+        except OSError:
+            shutil.copy2(src, dst)
+        result.append({"file": dst.name, "sha256": sha256_file(dst), "bytes": dst.stat().st_size})
+    return result
+
+
+def versions(ctx: BuildContext) -> dict[str, str]:
     """Every version read from the library it names (or "not present"), never a fixed string."""
     import onnx
     import onnxruntime
@@ -116,7 +137,7 @@ def versions(ctx: stages.BuildContext) -> dict[str, str]:
     from tasks.backend import host_gpus
     from tasks.runtime import cuda_versions
 
-    v = {"trtforge": stages.TRTFORGE_VERSION, "code": stages.CODE, "backend": ctx.backend.version, "onnx": onnx.__version__,
+    v = {"trtforge": TRTFORGE_VERSION, "code": CODE, "backend": ctx.backend.version, "onnx": onnx.__version__,
          "onnxruntime": onnxruntime.__version__, "python": sys.version.split()[0], **cuda_versions()}
     gpus = host_gpus()
     v["gpu"] = ", ".join(f"{g.name} (sm {g.compute_capability})" for g in gpus) or "not present"
@@ -139,12 +160,12 @@ def run_build(cfg: DictConfig, config_dir: str | None = None, show_progress: boo
         with named_lock(result_dir(cfg), "build"):
             done = up_to_date(cfg, key)
             if done is None:
-                facts = preflight(cfg, config_dir)
-                facts.update(cache_key=key, build_id=uuid.uuid4().hex, tolerance=tolerance, provenance={
-                    "config_dir": str(Path(config_dir).expanduser().resolve()) if config_dir else "",
-                    "overrides": json.dumps(list(overrides) if overrides is not None else None)})
-                ctx = stages.BuildContext(cfg=cfg, facts=facts, cache=StageCache(cfg.cache_dir),
-                                          show_progress=show_progress, on_stage=on_stage)
+                identity = BuildIdentity(
+                    cache_key=key, build_id=uuid.uuid4().hex, tolerance=tolerance,
+                    config_dir=str(Path(config_dir).expanduser().resolve()) if config_dir else "",
+                    overrides=json.dumps(list(overrides) if overrides is not None else None))
+                ctx = BuildContext(cfg=cfg, inputs=preflight(cfg, config_dir), identity=identity,
+                                   cache=StageCache(cfg.cache_dir), show_progress=show_progress, on_stage=on_stage)
                 name = f"{cfg.model.name}-{cfg.target.name}-{cfg.precision.name}"
                 summary = build_flow(ctx, run_name=name)
                 if summary is None:  # bad input found by a stage: nothing published or tracked
@@ -180,14 +201,11 @@ def up_to_date(cfg: DictConfig, key: str) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from flows.cli import parse_args, print_stage, print_summary, sweep
-
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args is None:
         return 0
     code = 0
-    combos = sweep(args.overrides, args.multirun)
-    from flows.sweep import jobs, run_sweep
+    combos = expand_overrides(args.overrides, args.multirun)
     if len(combos) > 1 and not args.cfg and jobs(len(combos)) > 1:  # builds in parallel processes
         def report(r: dict) -> None:
             if "summary" in r:
@@ -196,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
                 print_summary(r["summary"], r["seconds"])
             else:
                 print(f"trtforge: error: {' '.join(r['overrides'])}: {r['error']}", file=sys.stderr)
-        return run_sweep(combos, args.config_dir, report)
+        return run_sweep(combos, args.config_dir, report, run_build, up_to_date)
     for overrides in combos:
         try:
             cfg = compose_config(overrides, args.config_dir)

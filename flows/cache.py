@@ -63,7 +63,7 @@ def temp_name(prefix: str) -> str:
     return f"{prefix}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-def sweep(folder: Path, prefix: str = "") -> list[Path]:
+def remove_dead_temps(folder: Path, prefix: str = "") -> list[Path]:
     """Remove `<prefix>.tmp-<pid>-*` folders and links whose writing process no longer exists."""
     gone = []
     if not folder.is_dir():
@@ -128,7 +128,7 @@ class StageCache:
             write_json(meta, data)
 
     def _compute(self, stage: str, key: str, fn: Callable[[Path], StageResult], origin: dict | None) -> StageResult:
-        sweep(self.root / ".tmp")
+        remove_dead_temps(self.root / ".tmp")
         tmp = self.root / ".tmp" / temp_name(stage)
         tmp.mkdir(parents=True)
         try:
@@ -172,7 +172,7 @@ def build_key(cfg: Any, config_dir: str | None = None) -> str:
     from omegaconf import OmegaConf
 
     from flows.config import config_dir_search
-    from flows.stages import CODE, TRTFORGE_VERSION
+    from flows.context import CODE, TRTFORGE_VERSION
     from tasks.backend import host_gpus, installed_version
     from tasks.export import source_fingerprint
     from tasks.inputs import data_hash
@@ -205,7 +205,7 @@ def result_dir(cfg: Any, ok: bool = True) -> Path:
 def new_result_dir(final: Path) -> Path:
     """A fresh folder beside `final` to write the next result in; `publish_dir` makes it current."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    sweep(final.parent, f".{final.name}")
+    remove_dead_temps(final.parent, f".{final.name}")
     d = final.parent / temp_name(f".{final.name}")
     d.mkdir()
     return d

@@ -5,6 +5,8 @@ import argparse
 import itertools
 import sys
 
+from flows.context import origin_text
+
 
 
 USAGE = """python -m flows.build [--config-dir DIR] [-m] [--cfg] key=value ...
@@ -38,7 +40,7 @@ def parse_args(argv: list[str]):
     return args
 
 
-def sweep(overrides: list[str], multirun: bool) -> list[list[str]]:
+def expand_overrides(overrides: list[str], multirun: bool) -> list[list[str]]:
     """Hydra's override grammar; with -m, comma lists / range() / choice() expand into one build per combination."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -69,8 +71,6 @@ def _console():
 
 
 def print_stage(name: str, entry: dict) -> None:
-    from flows.stages import origin_text
-
     mark = {"ok": "[green]✓[/]", "cached": "[cyan]✓[/]", "skipped": "[yellow]-[/]", "failed": "[red]✗[/]"}.get(entry["status"], "?")
     reason = f"  [dim]{entry['reason']}[/]" if entry.get("reason") and entry["status"] != "failed" else ""
     if entry.get("cached_from"):
@@ -95,6 +95,10 @@ def print_summary(summary: dict, seconds: float) -> None:
     if "cosine_min" in m:
         c.print(f"  accuracy cosine_min {m['cosine_min']:.6f} vs {summary['stages']['validate'].get('reference', 'fp32')}, "
                 f"measured by {accuracy_source(summary)}", markup=False)
+    elif summary.get("verdict"):
+        v = summary["stages"].get("validate", {})
+        cached = f"; {origin_text(v['cached_from'])}" if v.get("cached_from") else ""
+        c.print(f"  accuracy {summary['verdict']}{cached}", markup=False)
     if "flops_share" in m:
         from tasks.flops import describe
 
@@ -108,8 +112,6 @@ def print_summary(summary: dict, seconds: float) -> None:
 
 def accuracy_source(summary: dict) -> str:
     """What the accuracy number measured, in words: ONNX Runtime's emulation of the precision, or the engine."""
-    from flows.stages import origin_text
-
     m, v = summary["metrics"], summary["stages"].get("validate", {})
     src = m.get("cosine_source", "")
     text = f"the engine on {src[len('engine on '):]}" if src.startswith("engine on ") else \

@@ -130,10 +130,16 @@ def _cc(v: str) -> tuple[int, int]:
     return int(major), int(minor or 0)
 
 
-def preflight(cfg: DictConfig, config_dir: str | None = None) -> dict[str, Any]:
-    """Check the whole config before any heavy step. Returns facts the flow needs (model io, profiles, backend)."""
+def preflight(cfg: DictConfig, config_dir: str | None = None) -> "BuildInputs":
+    """Check the whole config before any heavy step, and split the data: what the stages need (model io, profiles,
+    shape rules, backend, the calibration / search / validation sets)."""
+    from flows.context import BuildInputs  # (imported here: the up-to-date check before preflight stays light)
+    from tasks.datasets import MAX_SEARCH, MAX_VALIDATION, as_user_data, split_data
+    from tasks.inputs import load_data
+
     from tasks.backend import backend_for_target
-    from tasks.models import check_safe_name, graph_io, load_onnx, resolve_source
+    from tasks.graph import load_onnx
+    from tasks.models import check_safe_name, graph_io, resolve_source
     from tasks.profiles import check_profiles, shape_rules
 
     m, t, p = cfg.model, cfg.target, cfg.precision
@@ -180,9 +186,8 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> dict[str, Any]:
         elif src != "synthetic:text":
             raise ConfigError(f"model.images.source={src!r} is unknown", fix="use synthetic:text or a folder of images")
     search = config_dir_search(config_dir)
-    facts: dict[str, Any] = {}
     backend = backend_for_target(t.name, t.backend, t.compute_capability, t.architecture, t.note)
-    facts["backend"] = backend
+    prequant = None
     if m.format in ("onnx", "paddle"):
         src = resolve_source(m.source, search=search)
         if m.format == "paddle":  # converted once here (content-addressed); export reuses the conversion
@@ -193,7 +198,7 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> dict[str, Any]:
         inputs, outputs = graph_io(model)
         from tasks.prequant import quantization_of
         q = quantization_of(model)
-        facts["prequantized"] = q if any(q.values()) else None  # not recalibrated: needs no calibration data
+        prequant = q if any(q.values()) else None  # not recalibrated: needs no calibration data
     else:
         if not m.factory:
             raise ConfigError("model.factory is not set for format=torch", fix="set model.factory=module.path:callable")
@@ -208,7 +213,8 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> dict[str, Any]:
         outputs = []
         model = None
     inputs = bind_constants(cfg, inputs)
-    if p.quantized and not cal.data and m.images is None and not facts.get("prequantized"):
+    calibrates = bool(p.quantized) and not prequant
+    if calibrates and not cal.data and m.images is None:
         raise ConfigError(f"precision={p.name} needs calibration data: calibration.data is not set and model {m.name} has no images recipe",
                           fix="set calibration.data=path/to/samples.npz (or a folder of .npz/.npy, one array per input name)")
     if m.images is not None and m.images.input not in [i.name for i in inputs]:
@@ -216,15 +222,20 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> dict[str, Any]:
                           fix=f"use one of {[i.name for i in inputs]}")
     profiles = check_profiles(OmegaConf.to_container(m.profiles), inputs)
     rules = shape_rules(inputs, profiles, model, OmegaConf.to_container(m.shape_multiple))
-    facts.update(inputs=inputs, outputs=outputs, profiles=profiles, search=search, shape_rules=rules)
-    from tasks.inputs import load_data
+    user = {}
     for key in ("calibration.data", "validation.data"):
         path = OmegaConf.select(cfg, key)
-        if path:
-            limit = cal.samples if key == "calibration.data" else None
-            facts[key], record = load_data(path, inputs, profiles, key, limit=limit, rules=rules)
-            facts[key + ".sha256"], facts[key + ".record"] = record.sha256, record
-    return facts
+        if path:  # calibration.data: enough for the calibration samples and the held-out sets
+            limit = cal.samples + MAX_SEARCH + MAX_VALIDATION if key == "calibration.data" else None
+            user[key] = as_user_data(key, load_data(path, inputs, profiles, key, limit=limit, rules=rules))
+    data = split_data(inputs=inputs, profiles=profiles, rules=rules, calibrate=calibrates,
+                      search=calibrates and bool(cal.search), validate=bool(cfg.stages.validate),
+                      calibration_data=user.get("calibration.data"), validation_data=user.get("validation.data"),
+                      recipe=OmegaConf.to_container(m.images) if m.images is not None else None,
+                      calibration_samples=cal.samples, validation_samples=cfg.validation.samples, seed=cfg.seed,
+                      validation_seed=cfg.validation.seed)
+    return BuildInputs(backend=backend, inputs=inputs, outputs=outputs, profiles=profiles, rules=rules, search=search,
+                       prequantized=prequant, data=data)
 
 
 def bind_constants(cfg: DictConfig, inputs: list) -> list:

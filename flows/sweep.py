@@ -14,17 +14,17 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
 from typing import Callable
 
+from flows.cache import build_key
+from flows.config import compose_config, preflight
+from tasks.errors import TrtforgeError
+
 
 def jobs(n: int) -> int:
     return max(1, min(n, int(os.environ.get("TRTFORGE_JOBS") or os.cpu_count() or 1)))
 
 
-def _worker_build(overrides: list[str], config_dir: str | None) -> dict:
+def _worker_build(run_build: Callable, overrides: list[str], config_dir: str | None) -> dict:
     """One build in a pool process: the summary, or the error it ended with (rendered, with its exit code)."""
-    from flows.build import run_build
-    from flows.config import compose_config
-    from tasks.errors import TrtforgeError
-
     t0 = time.perf_counter()
     try:
         summary = run_build(compose_config(overrides, config_dir), config_dir, show_progress=False, overrides=overrides)
@@ -35,13 +35,11 @@ def _worker_build(overrides: list[str], config_dir: str | None) -> dict:
         return {"error": f"internal error: {type(e).__name__}: {str(e)[:500]}", "exit_code": 1, "overrides": overrides}
 
 
-def run_sweep(combos: list[list[str]], config_dir: str | None, report: Callable[[dict], None]) -> int:
-    """Run the combinations in parallel; `report` gets each worker's result as it finishes. Returns the exit status."""
-    from flows.build import up_to_date
-    from flows.cache import build_key
-    from flows.config import compose_config, preflight
-    from tasks.errors import TrtforgeError
-
+def run_sweep(combos: list[list[str]], config_dir: str | None, report: Callable[[dict], None],
+              run_build: Callable, up_to_date: Callable) -> int:
+    """Run the combinations in parallel with `run_build` (flows.build's, passed in: it is pickled by reference into
+    the spawned workers); `up_to_date` answers the builds that have nothing to do. `report` gets each worker's result
+    as it finishes. Returns the exit status."""
     work, code = [], 0
     for ov in combos:  # bad input is reported before any heavy work; the other combinations still build
         try:
@@ -68,7 +66,7 @@ def run_sweep(combos: list[list[str]], config_dir: str | None, report: Callable[
         os.environ["PREFECT_API_URL"] = server.api_url  # inherited by the spawned workers
     try:
         with ProcessPoolExecutor(jobs(len(work)), mp_context=get_context("spawn")) as pool:
-            for f in as_completed([pool.submit(_worker_build, ov, config_dir) for ov in work]):
+            for f in as_completed([pool.submit(_worker_build, run_build, ov, config_dir) for ov in work]):
                 r = f.result()
                 report(r)
                 code = max(code, r.get("exit_code", 0 if r.get("summary", {}).get("status") == "ok" else 1))

@@ -146,12 +146,10 @@ def log_build(*, experiment: str, summary: dict, params: dict[str, str], resolve
                              **{f"trtforge.{k}": v for k, v in provenance.items()},
                              **{f"version.{k}": v for k, v in versions.items()}})
             mlflow.log_params(params)
-            for key, d in summary.get("data", {}).items():  # what calibrated / validated
-                mlflow.set_tag(f"{key}.data", d.get("summary", d.get("source", "")))
-                if d.get("sha256"):
-                    mlflow.set_tag(f"{key}.data.sha256", d["sha256"])
+            for key, d in summary.get("data", {}).items():  # what calibrated, judged the search, validated
+                mlflow.set_tag(f"{key}.data", f"{d.get('samples')} samples: {d.get('source', '')}"[:5000])
             mlflow.set_tags({k: v for k, v in summary.get("metrics", {}).items() if isinstance(v, str)})
-            from flows.stages import origin_text  # a cached stage's numbers were measured by another run: say which
+            from flows.context import origin_text  # a cached stage's numbers were measured by another run: say which
             mlflow.set_tags({f"cached_from.{stage}": origin_text(s["cached_from"])
                              for stage, s in summary["stages"].items() if s.get("cached_from")})
             flat = {}

@@ -73,25 +73,24 @@ def no_gpu_reason(compute_capability: str) -> str:
     return f"this host's GPUs ({have}) cannot run an engine built for compute capability {compute_capability}"
 
 
-class _Logger:
-    """Collects TensorRT log messages (warnings and errors) for error reports."""
+def collecting_logger(trt):
+    """A TensorRT logger that collects warnings and errors for error reports (a subclass of the loaded module's
+    ILogger, made when TensorRT is imported)."""
+    class Logger(trt.ILogger):
+        def __init__(self):
+            trt.ILogger.__init__(self)
+            self.messages: list[tuple[str, str]] = []
 
-    def __new__(cls, trt):
-        class Logger(trt.ILogger):
-            def __init__(self):
-                trt.ILogger.__init__(self)
-                self.messages: list[tuple[str, str]] = []
+        def log(self, severity, msg):
+            if severity <= trt.ILogger.Severity.WARNING:
+                self.messages.append((str(severity).rsplit(".", 1)[-1], msg))
 
-            def log(self, severity, msg):
-                if severity <= trt.ILogger.Severity.WARNING:
-                    self.messages.append((str(severity).rsplit(".", 1)[-1], msg))
+        def errors(self) -> list[str]:
+            """Error messages without GPU-less driver noise (cudaError 35 on a host without a driver)."""
+            return [clean_message(m) for s, m in self.messages
+                    if s in ("ERROR", "INTERNAL_ERROR") and not NOISE.search(m)]
 
-            def errors(self) -> list[str]:
-                """Error messages without GPU-less driver noise (cudaError 35 on a host without a driver)."""
-                return [clean_message(m) for s, m in self.messages
-                        if s in ("ERROR", "INTERNAL_ERROR") and not NOISE.search(m)]
-
-        return Logger()
+    return Logger()
 
 
 @dataclass
@@ -154,7 +153,7 @@ class Backend:
         return builder, network, trt.OnnxParser(network, logger)
 
     def support_report(self, model_bytes: bytes, model_path: str) -> SupportReport:
-        builder, network, parser = self.parser(_Logger(self.trt))  # noqa: F841 - alive while the parser works
+        builder, network, parser = self.parser(collecting_logger(self.trt))  # noqa: F841 - alive while the parser works
         report = SupportReport()
         report.fully_supported = bool(parser.supports_model_v2(model_bytes, model_path))
         for i in range(parser.num_subgraphs):
@@ -168,7 +167,7 @@ class Backend:
 
     def parse_errors(self, model_bytes: bytes, model_path: str = "") -> list[dict]:
         """A full parse (what the builder will see); [] when it parses, else the parser's errors."""
-        logger = _Logger(self.trt)
+        logger = collecting_logger(self.trt)
         builder, network, parser = self.parser(logger)  # noqa: F841 - alive while the parser works
         if parser.parse(model_bytes, model_path):
             return []
@@ -181,7 +180,7 @@ class Backend:
                      progress: Any = None, stage: str = "build") -> bytes:
         """Parse an ONNX file (strongly typed) and build a serialized engine with all profiles."""
         trt = self.trt
-        logger = _Logger(trt)
+        logger = collecting_logger(trt)
         builder, network, parser = self.parser(logger)
         if not parser.parse_from_file(model_path):
             errs = [parser.get_error(i) for i in range(parser.num_errors)]
@@ -216,7 +215,7 @@ class Backend:
 
     def engine_validity(self, engine: bytes) -> str:
         trt = self.trt
-        runtime = trt.Runtime(_Logger(trt))
+        runtime = trt.Runtime(collecting_logger(trt))
         if not hasattr(runtime, "get_engine_validity"):
             return "unknown"
         validity, _ = runtime.get_engine_validity(engine)

@@ -8,7 +8,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .runtime import ort_run, ort_session
+from .inputs import batch_size
+from .ort import ort_run, ort_session
 from .util import StageResult, write_json
 
 
@@ -53,16 +54,12 @@ def measure(step: Callable[[], Any], bench_cfg: Any, batch: int) -> dict[str, An
             "times_ms": times}
 
 
-def batch_of(feed: dict[str, np.ndarray]) -> int:
-    return int(next(iter(feed.values())).shape[0]) if feed else 1
-
-
 def benchmark_onnx(onnx_path: Path, feed: dict[str, np.ndarray], bench_cfg: Any, label: str) -> dict[str, Any]:
     """ONNX Runtime on this host: session creation, then `measure`."""
     t0 = time.perf_counter()
-    sess = ort_session(onnx_path, threads=bench_cfg["threads"], stage="benchmark")
+    sess = ort_session(onnx_path, threads=bench_cfg["threads"], spinning=True, stage="benchmark")
     load_ms = (time.perf_counter() - t0) * 1e3
-    stats = measure(lambda: ort_run(sess, feed, stage="benchmark"), bench_cfg, batch_of(feed))
+    stats = measure(lambda: ort_run(sess, feed, stage="benchmark"), bench_cfg, batch_size(feed))
     return {"runtime": label, "session_create_ms": load_ms, **stats, "shape": {n: list(a.shape) for n, a in feed.items()}}
 
 

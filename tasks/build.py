@@ -28,6 +28,23 @@ def add_metrics(total: dict[str, Any], part: dict[str, Any], keys: tuple[str, ..
             total[k] = total.get(k, 0) + part[k]
 
 
+def engines_of(r: StageResult) -> list[tuple[int, Path, Path]]:
+    """(segment index, engine file, precision ONNX file) of a build or calibrate result, in segment order."""
+    return [(e["segment"], r.files[f"engine{e['segment']}"], r.files[f"onnx{e['segment']}"]) for e in r.details["engines"]]
+
+
+def same_graph(a: Path, b: Path) -> bool:
+    """Whether two ONNX files hold the same graph: byte for byte, or the same graph under other model metadata (weights
+    in external-data files are compared only byte for byte: such graphs count as different)."""
+    if sha256_file(a) == sha256_file(b):
+        return True
+    import onnx
+
+    ga, gb = (onnx.load(str(p), load_external_data=False).graph for p in (a, b))
+    external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in (*ga.initializer, *gb.initializer))
+    return not external and ga.SerializeToString(deterministic=True) == gb.SerializeToString(deterministic=True)
+
+
 def onnx_at_precision(fp32_path: Path, precision: str, out_path: Path) -> StageResult:
     """Precision is a property of the graph (strongly typed networks): fp32 as is, fp16 converted."""
     t0 = time.perf_counter()

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, StageError
-from .models import graph_io, load_onnx, resolve_source
+from .models import graph_io, resolve_source
 from .util import StageResult, sha256_file, write_json
 
 MAX_PROTO = 1_800_000_000  # above this, weights go to a side file (protobuf's 2 GB limit)
@@ -38,6 +38,9 @@ def source_fingerprint(model_cfg: Any, search: list[Path] | None = None) -> dict
 def onnx_from_model(model_cfg: Any, profiles: list[dict], out_path: Path, search: list[Path] | None = None,
                     cache_root: Path | None = None) -> StageResult:
     """Export or pass through, then sanitize; writes out_path (fp32 ONNX). `cache_root` keeps Paddle conversions."""
+    from .graph import load_onnx, opset_of, specialise
+    from .prequant import quantization_of, trt_from_prequantized
+
     out_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     if model_cfg["format"] == "onnx":
@@ -60,14 +63,10 @@ def onnx_from_model(model_cfg: Any, profiles: list[dict], out_path: Path, search
     files, metrics, details = {"onnx": out_path}, {}, {}
     constants = dict(model_cfg.get("constants") or {})
     if constants:  # bound inputs, and the control flow they decide folded away
-        from .graph import specialise
-
         details["constants"] = specialise(model, constants, profiles)
         notes += details["constants"]
         del model.graph.value_info[:]  # inferred before the folds: stale
         model = infer_shapes(model, notes)
-    from .prequant import quantization_of, trt_from_prequantized
-
     quant = quantization_of(model)
     if any(quant.values()):  # the model as shipped is the reference; TensorRT gets what it can take
         files["reference"] = out_path.with_name("shipped.onnx")
@@ -81,15 +80,11 @@ def onnx_from_model(model_cfg: Any, profiles: list[dict], out_path: Path, search
     ins, outs = graph_io(model)
     return StageResult(
         files=files,
-        metrics={"export_nodes": len(model.graph.node), "opset": _opset(model), "export_seconds": time.perf_counter() - t0,
+        metrics={"export_nodes": len(model.graph.node), "opset": opset_of(model), "export_seconds": time.perf_counter() - t0,
                  **metrics},
         details={"how": how, "sanitize": notes, "inputs": [vars(t) for t in ins], "outputs": [vars(t) for t in outs],
                  **details},
     )
-
-
-def _opset(model) -> int:
-    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
 
 
 def save_onnx(model, path: Path) -> None:

@@ -1,11 +1,99 @@
-"""Small ONNX graph edits shared by the stages (export sanitize, fp16 conversion, calibration)."""
+"""ONNX graphs: loading and checking, and the one toolkit of graph edits the stages share (export sanitize, fp16
+conversion, pre-quantized rewrites, calibration): who makes and reads a value, fresh names, replacing and pruning
+nodes, constant folding, topological order, binding inputs and folding what that decides."""
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+
+from .errors import ConfigError
+from .models import ONNX_DTYPES, value_dims
+
+
+def load_onnx(path: Path, key: str = "model.source", load_external_data: bool = True) -> onnx.ModelProto:
+    """Load and check an ONNX file; a corrupt or unreadable file is a ConfigError naming it. Nodes out of topological
+    order (ONNX Runtime and TensorRT accept them; the stages need the order) are sorted."""
+    try:
+        model = onnx.load(str(path), load_external_data=load_external_data)
+    except Exception as e:  # protobuf DecodeError, missing external data, ...
+        raise ConfigError(f"{key}: {path} is not a readable ONNX model ({type(e).__name__}: {str(e)[:200]})",
+                          file=str(path), fix="re-export the model, or point the key at the right file") from None
+    if not model.graph.node:
+        raise ConfigError(f"{key}: {path} has an empty graph", file=str(path), fix="re-export the model")
+    for first in (True, False):
+        try:
+            onnx.checker.check_model(model, full_check=False)
+            return model
+        except Exception as e:
+            if first and "topologically sorted" in str(e) and toposort(model.graph):
+                continue
+            raise ConfigError(f"{key}: {path} fails the ONNX checker: {str(e).splitlines()[0][:300]}", file=str(path),
+                              fix="re-export the model with a supported opset") from None
+    return model
+
+
+def opset_of(model: onnx.ModelProto) -> int:
+    """The model's opset of the default ONNX domain (0 when it imports none)."""
+    return max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=0)
+
+
+# --- the edit toolkit -----------------------------------------------------------------------------------------------
+
+def links(g: onnx.GraphProto) -> tuple[dict[str, onnx.NodeProto], dict[str, list[onnx.NodeProto]]]:
+    """{value: the node that makes it}, {value: the nodes that read it} (top level)."""
+    producers = {o: n for n in g.node for o in n.output}
+    readers: dict[str, list] = {}
+    for n in g.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    return producers, readers
+
+
+def replace_node(g: onnx.GraphProto, node: onnx.NodeProto, nodes: list[onnx.NodeProto]) -> None:
+    """Put `nodes` where `node` was (keeping the graph's order)."""
+    at = list(g.node).index(node)
+    g.node.remove(node)
+    for i, n in enumerate(nodes):
+        g.node.insert(at + i, n)
+
+
+def keep_only(items, keep: Callable[[Any], bool]) -> int:
+    """Filter a repeated protobuf field in place (one rebuild, not O(n^2) removes); returns how many went."""
+    kept = [x for x in items if keep(x)]
+    gone = len(items) - len(kept)
+    if gone:
+        copies = [type(x)() for x in kept]
+        for c, x in zip(copies, kept):
+            c.CopyFrom(x)
+        del items[:]
+        items.extend(copies)
+    return gone
+
+
+def unique_name(base: str, taken: Iterable[str]) -> str:
+    """`base`, or `base_1`, `base_2`, ... : the first that `taken` does not hold."""
+    name, i = base, 0
+    while name in taken:
+        i += 1
+        name = f"{base}_{i}"
+    return name
+
+
+def name_allocator(g: onnx.GraphProto) -> Callable[[str], str]:
+    """A function that returns a fresh name for `name` (unique_name) that no value, node or earlier answer of `g` has:
+    models made by converters (ours included) already hold their usual names."""
+    taken = names_in(g) | {n.name for n in g.node}
+
+    def fresh(name: str) -> str:
+        name = unique_name(name, taken)
+        taken.add(name)
+        return name
+
+    return fresh
 
 
 def drop_initializer_inputs(model: onnx.ModelProto) -> int:
@@ -145,8 +233,6 @@ FOLD_MAX_ELEMENTS = 1 << 16  # a folded value is shape/index arithmetic or a sma
 def array_from_constant(name: str, value: Any, dtype: str, shape: list) -> np.ndarray:
     """A `model.constants.<name>` value (scalar or nested list) as an array of the input's own dtype and shape;
     a ConfigError naming the key when its rank, static dims or type do not fit the input."""
-    from .errors import ConfigError
-
     key = f"model.constants.{name}"
     try:
         arr = np.asarray(value)
@@ -186,8 +272,6 @@ def _example(dtype: str, shape: list) -> str:
 def bind_inputs(model: onnx.ModelProto, constants: dict[str, Any]) -> list[str]:
     """Each graph input named in `constants` becomes an initializer of the input's own dtype and shape (its name
     kept, so every reader, subgraphs included, reads the value); returns notes."""
-    from .models import ONNX_DTYPES, _shape
-
     g = model.graph
     notes = []
     keep = []
@@ -196,7 +280,7 @@ def bind_inputs(model: onnx.ModelProto, constants: dict[str, Any]) -> list[str]:
             keep.append(inp)
             continue
         dtype = ONNX_DTYPES.get(inp.type.tensor_type.elem_type, str(inp.type.tensor_type.elem_type))
-        arr = array_from_constant(inp.name, constants[inp.name], dtype, _shape(inp))
+        arr = array_from_constant(inp.name, constants[inp.name], dtype, value_dims(inp))
         g.initializer.append(numpy_helper.from_array(arr, inp.name))
         notes.append(f"input {inp.name!r} bound to {constants[inp.name]!r} (model.constants)")
     del g.input[:]
@@ -310,7 +394,7 @@ def inline_if(g: onnx.GraphProto, index: int, taken: bool) -> str | None:
     body = onnx.GraphProto()
     body.CopyFrom(branch)
     defined = {o for n in body.node for o in n.output if o} | {t.name for t in body.initializer}
-    taken_names = _names_in(g, skip=node)
+    taken_names = names_in(g, skip=node)
     clash = {n for n in defined if n in taken_names}
     if clash:
         mapping = {}
@@ -336,14 +420,14 @@ def inline_if(g: onnx.GraphProto, index: int, taken: bool) -> str | None:
     return None
 
 
-def _names_in(g: onnx.GraphProto, skip: onnx.NodeProto | None = None) -> set[str]:
-    """Every value name defined in a graph and its subgraphs (but not in `skip`'s)."""
-    names = {i.name for i in g.input} | {t.name for t in g.initializer} | {o.name for o in g.output}
+def names_in(g: onnx.GraphProto, skip: onnx.NodeProto | None = None) -> set[str]:
+    """Every value name a graph and its subgraphs (but not `skip`'s) define or read."""
+    names = {v.name for v in (*g.input, *g.output, *g.value_info)} | {t.name for t in g.initializer}
     for n in g.node:
-        names.update(o for o in n.output if o)
+        names.update(x for x in (*n.input, *n.output) if x)
         if n is not skip:
             for sub in subgraphs(n):
-                names |= _names_in(sub)
+                names |= names_in(sub)
     return names
 
 
@@ -388,22 +472,20 @@ def fold_ifs(model: onnx.ModelProto) -> list[str]:
     return notes
 
 
-def prune_unused(g: onnx.GraphProto) -> int:
-    """Drop nodes none of whose outputs is used (by a node, a subgraph, or the graph outputs), then initializers
-    nothing reads; returns how many nodes were dropped."""
+def prune_unused(g: onnx.GraphProto, ops: Iterable[str] | None = None,
+                 keep_initializer: Callable[[onnx.TensorProto], bool] | None = None) -> int:
+    """Drop nodes none of whose outputs is used (by a node, a subgraph, or the graph outputs) -- only nodes of the op
+    types `ops` when given -- then initializers nothing reads (unless `keep_initializer` says keep); returns how many
+    nodes were dropped."""
     before = len(g.node)
+    ops = set(ops) if ops is not None else None
     while True:
         used = {o.name for o in g.output} | {x for n in g.node for x in node_inputs(n)}
-        keep = [n for n in g.node if any(o in used for o in n.output if o)]
-        if len(keep) == len(g.node):
+        if not keep_only(g.node, lambda n: (ops is not None and n.op_type not in ops)
+                         or any(o in used for o in n.output if o)):
             break
-        del g.node[:]
-        g.node.extend(keep)
     used = {o.name for o in g.output} | {x for n in g.node for x in node_inputs(n)}
-    inits = [t for t in g.initializer if t.name in used]
-    if len(inits) != len(g.initializer):
-        del g.initializer[:]
-        g.initializer.extend(inits)
+    keep_only(g.initializer, lambda t: t.name in used or (keep_initializer is not None and keep_initializer(t)))
     return before - len(g.node)
 
 
@@ -426,20 +508,6 @@ def specialise(model: onnx.ModelProto, constants: dict[str, Any], profiles: list
     notes.append(f"{n_nodes} -> {len(model.graph.node)} top-level nodes ({dropped} unused dropped)"
                  + (f"; still control flow: {', '.join(left)}" if left else "; no control flow left"))
     return notes
-
-
-def name_allocator(g: onnx.GraphProto):
-    """A function that returns `name`, or `name` with "_" appended until no value, input, initializer or node of `g`
-    (nor an earlier answer) has it: models made by converters (ours included) already hold their usual names."""
-    taken = {o for n in g.node for o in n.output} | {v.name for v in (*g.input, *g.initializer)} | {n.name for n in g.node}
-
-    def fresh(name: str) -> str:
-        while name in taken:
-            name += "_"
-        taken.add(name)
-        return name
-
-    return fresh
 
 
 def fp32_from_fp16(model: onnx.ModelProto) -> int:

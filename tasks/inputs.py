@@ -191,9 +191,10 @@ def random_value(t: TensorInfo, shape: list[int], rng: np.random.Generator) -> n
 
 def generated_feeds(inputs: list[TensorInfo], profiles: list[dict], n_random: int, seed: int,
                     recipe: Any | None = None, offset: int = 0, multiples: dict | None = None,
-                    rules: ShapeRules | None = None) -> list[Feed]:
-    """Feeds at min, opt, max (and random shapes between) of each profile: images where a recipe says so, else noise.
-    Tied dims (rules; by default the inputs' shared dim names) get one value, each dim on its step."""
+                    rules: ShapeRules | None = None, files: list | None = None) -> list[Feed]:
+    """Feeds at min, opt, max (and n_random random shapes between, each a new draw even where the shape repeats) of
+    each profile: images where a recipe says so (from `files` of its folder when given), else noise. Tied dims (rules;
+    by default the inputs' shared dim names) get one value, each dim on its step."""
     rng = np.random.default_rng(seed)
     rules = rules or ShapeRules(named_ties(inputs), dict(multiples or {}))
     by_name = {t.name: t for t in inputs}
@@ -203,7 +204,7 @@ def generated_feeds(inputs: list[TensorInfo], profiles: list[dict], n_random: in
             feed = {}
             for name, s in shape.items():
                 if recipe is not None and name == recipe["input"]:
-                    feed[name] = images_batch(recipe, s, rng, start=offset + len(feeds))
+                    feed[name] = images_batch(recipe, s, rng, start=offset + len(feeds), files=files)
                 else:
                     feed[name] = random_value(by_name[name], s, rng)
             feeds.append(feed)

@@ -72,7 +72,8 @@ class TensorInfo:
         return all(isinstance(d, int) and d > 0 for d in self.shape)
 
 
-def _shape(vi) -> list:
+def value_dims(vi) -> list:
+    """A value's dims: ints where known, else the symbolic name (or '?')."""
     dims = []
     for d in vi.type.tensor_type.shape.dim:
         if d.HasField("dim_value") and d.dim_value > 0:
@@ -84,33 +85,8 @@ def _shape(vi) -> list:
 
 def graph_io(model) -> tuple[list[TensorInfo], list[TensorInfo]]:
     inits = {i.name for i in model.graph.initializer}
-    ins = [TensorInfo(i.name, ONNX_DTYPES.get(i.type.tensor_type.elem_type, str(i.type.tensor_type.elem_type)), _shape(i))
+    ins = [TensorInfo(i.name, ONNX_DTYPES.get(i.type.tensor_type.elem_type, str(i.type.tensor_type.elem_type)), value_dims(i))
            for i in model.graph.input if i.name not in inits]
-    outs = [TensorInfo(o.name, ONNX_DTYPES.get(o.type.tensor_type.elem_type, str(o.type.tensor_type.elem_type)), _shape(o))
+    outs = [TensorInfo(o.name, ONNX_DTYPES.get(o.type.tensor_type.elem_type, str(o.type.tensor_type.elem_type)), value_dims(o))
             for o in model.graph.output]
     return ins, outs
-
-
-def load_onnx(path: Path, key: str = "model.source", load_external_data: bool = True):
-    """Load and check an ONNX file; a corrupt or unreadable file is a ConfigError naming it."""
-    import onnx
-
-    try:
-        model = onnx.load(str(path), load_external_data=load_external_data)
-    except Exception as e:  # protobuf DecodeError, missing external data, ...
-        raise ConfigError(f"{key}: {path} is not a readable ONNX model ({type(e).__name__}: {str(e)[:200]})",
-                          file=str(path), fix="re-export the model, or point the key at the right file") from None
-    if not model.graph.node:
-        raise ConfigError(f"{key}: {path} has an empty graph", file=str(path), fix="re-export the model")
-    from .graph import toposort
-
-    for first in (True, False):
-        try:
-            onnx.checker.check_model(model, full_check=False)
-            return model
-        except Exception as e:
-            # ONNX Runtime and TensorRT accept nodes out of topological order; the later stages need it: sort them.
-            if first and "topologically sorted" in str(e) and toposort(model.graph):
-                continue
-            raise ConfigError(f"{key}: {path} fails the ONNX checker: {str(e).splitlines()[0][:300]}", file=str(path),
-                              fix="re-export the model with a supported opset") from None

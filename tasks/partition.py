@@ -235,3 +235,21 @@ def draw_partition(model, segments: list[Segment], path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def without_control_flow(onnx_path: Path, partition_cfg: dict) -> tuple[dict, list[str]] | None:
+    """TensorRT can parse If/Loop/Scan and still fail to build them (an internal assertion, not a parser verdict): the
+    partition config that runs them in ONNX Runtime, and the ops, or None when that cannot help (no such nodes, they
+    are native already, partition.strict, or partition.control_flow_fallback=false)."""
+    import onnx
+
+    from .graph import CONTROL_FLOW
+
+    if not partition_cfg.get("control_flow_fallback", True) or partition_cfg.get("strict"):
+        return None
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    present = sorted({n.op_type for n in model.graph.node if n.op_type in CONTROL_FLOW})
+    if not present or set(present) <= set(partition_cfg["exclude_ops"]):
+        return None
+    exclude = list(partition_cfg["exclude_ops"]) + [op for op in present if op not in partition_cfg["exclude_ops"]]
+    return {**partition_cfg, "exclude_ops": exclude}, present

@@ -14,7 +14,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .graph import drop_initializer_inputs, fold_constants, name_allocator, node_inputs, subgraphs, toposort, uniquify_node_names
+from .graph import (drop_initializer_inputs, fold_constants, name_allocator, names_in, node_inputs, subgraphs, toposort,
+                    uniquify_node_names)
 
 FP16_MAX = 65504.0
 # Initializers whose fp16 rounding error (relative L2) exceeds this keep their
@@ -412,7 +413,7 @@ def _fix_outer_scope_refs(top: onnx.GraphProto, op_block: set[str], node_block: 
     renamed.  Returns the number of Casts added.
     """
     casts: dict[tuple[int, str, int], str] = {}
-    taken = _all_names(top)
+    taken = names_in(top)
 
     def types_of(g):
         t = {v.name: v.type.tensor_type.elem_type for v in g.value_info}
@@ -475,18 +476,6 @@ def _fix_outer_scope_refs(top: onnx.GraphProto, op_block: set[str], node_block: 
 
     visit(top, [], True)
     return len(casts)
-
-
-def _all_names(g: onnx.GraphProto, names: set[str] | None = None) -> set[str]:
-    names = set() if names is None else names
-    names.update(v.name for v in (*g.input, *g.output, *g.value_info))
-    names.update(i.name for i in g.initializer)
-    for n in g.node:
-        names.update(n.input)
-        names.update(n.output)
-        for sub in subgraphs(n):
-            _all_names(sub, names)
-    return names
 
 
 def _float_content(g: onnx.GraphProto, acc: dict | None = None) -> dict:

@@ -43,6 +43,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from .graph import links, opset_of, prune_unused, replace_node, unique_name
+
 QDQ = ("QuantizeLinear", "DequantizeLinear")
 DYNAMIC_OPS = ("DynamicQuantizeLinear", "ConvInteger", "MatMulInteger")
 LAYERS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
@@ -117,8 +119,8 @@ def trt_from_prequantized(model: onnx.ModelProto, dequantize_dynamic: bool = Fal
     stats["qlinear_rewritten"] = _qdq_from_qlinear(model, inits) + _qdq_from_qlinear_contrib(g)
     stats["dq_before_movement"] = _dq_before_movement(g)
     stats["quantized_constants"] = _constants_from_quantized_constants(g, inits)
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-    producers, readers = _links(g)
+    opset = opset_of(model)
+    producers, readers = links(g)
     pairs: dict[str, dict] = {}  # tensor -> what became of its pair (kept, exact, requantized with its widening, float)
 
     def feeds_layer(q) -> bool:  # the pair quantizes an input of a Conv/MatMul/Gemm: TensorRT's int8 layers need it
@@ -145,7 +147,7 @@ def trt_from_prequantized(model: onnx.ModelProto, dequantize_dynamic: bool = Fal
             stats["kept_pairs"] += 1
             pairs[tensor] = {"kind": "kept"}
         elif zp is not None and zp.dtype == np.uint8 and (zp == 128).all() and _same_params(q, dq):
-            zname = _unique(q.input[2] + "_int8", inits)
+            zname = unique_name(q.input[2] + "_int8", inits)
             _add(g, inits, zname, np.zeros(zp.shape, np.int8))
             q.input[2] = dq.input[2] = zname
             converted[id(q)] = ("int8_from_uint8", q.input[1], zname)
@@ -181,9 +183,9 @@ def trt_from_prequantized(model: onnx.ModelProto, dequantize_dynamic: bool = Fal
         zp = _zero_point(dq, inits)
         consumers = [n for n in g.node if dq.output[0] in n.input]
         if data.dtype == np.uint8 and zp is not None and (zp == 128).all():
-            name = _unique(dq.input[0] + "_int8", inits)
+            name = unique_name(dq.input[0] + "_int8", inits)
             _add(g, inits, name, (data.astype(np.int16) - 128).astype(np.int8))
-            zname = _unique(dq.input[2] + "_int8", inits)
+            zname = unique_name(dq.input[2] + "_int8", inits)
             _add(g, inits, zname, np.zeros(zp.shape, np.int8))
             dq.input[0], dq.input[2] = name, zname
             stats["int8_from_uint8"] += 1
@@ -197,7 +199,7 @@ def trt_from_prequantized(model: onnx.ModelProto, dequantize_dynamic: bool = Fal
               and _symmetric_int8_weights(g, dq, inits, consumers, per_channel=opset >= 13)):
             stats["requantized_weights"] += 1
         else:
-            name = _unique(dq.output[0] + "_float", inits)  # int32 bias, other zero points, 16-bit: float constants
+            name = unique_name(dq.output[0] + "_float", inits)  # int32 bias, other zero points, 16-bit: float constants
             _add(g, inits, name, _dequantize(dq, inits))
             _bypass(g, dq, name)
             stats["folded_constants"] += 1
@@ -214,7 +216,7 @@ def trt_from_prequantized(model: onnx.ModelProto, dequantize_dynamic: bool = Fal
 
     if dequantize_dynamic:
         stats["dequantized_dynamic"] = _dequantize_dynamic(g, inits)
-    _drop_dead(g)
+    prune_unused(g)
     del g.value_info[:]  # types changed (uint8 -> int8, int32 -> float): infer them again
     try:
         model = onnx.shape_inference.infer_shapes(model, data_prop=True)
@@ -226,7 +228,7 @@ def trt_from_prequantized(model: onnx.ModelProto, dequantize_dynamic: bool = Fal
 def _per_channel_opset(model: onnx.ModelProto) -> tuple[onnx.ModelProto, bool]:
     """Per-channel DequantizeLinear needs opset 13: older models carrying Q/DQ go through ONNX's version converter
     (PP-OCR ships opset 11/12); where it cannot convert, weights stay per tensor."""
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    opset = opset_of(model)
     if opset >= 13 or not any(n.op_type == "QuantizeLinear" for n in model.graph.node):
         return model, False
     try:
@@ -242,7 +244,7 @@ def _qdq_from_qlinear(model, inits) -> int:
     and weight, the float op (the int32 bias scaled into a float bias), QuantizeLinear on the output (QGemm without an
     output scale: float out): the Q/DQ form TensorRT reads, same scales."""
     g = model.graph
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    opset = opset_of(model)
     count = 0
     for node in [n for n in g.node if n.op_type in ("QLinearConv", "QLinearMatMul") or
                  (n.op_type == "QGemm" and n.domain == "com.microsoft")]:
@@ -265,7 +267,7 @@ def _qdq_from_qlinear(model, inits) -> int:
                 continue
             bias = numpy_helper.to_array(inits[bias_in]).astype(np.float32) * \
                 (numpy_helper.to_array(inits[xs]).astype(np.float32) * w_scale.astype(np.float32)).reshape(-1)
-            name = _unique(f"{p}_bias_float", inits)
+            name = unique_name(f"{p}_bias_float", inits)
             inits[name] = numpy_helper.from_array(bias.astype(np.float32), name)
             g.initializer.append(inits[name])
             floats.append(name)
@@ -275,7 +277,7 @@ def _qdq_from_qlinear(model, inits) -> int:
         if ys:
             nodes.append(onnx.helper.make_node("QuantizeLinear", [out, ys] + ([yz] if yz else []), [node.output[0]],
                                                name=f"{p}_q"))
-        _replace_node(g, node, nodes)
+        replace_node(g, node, nodes)
         count += 1
     return count
 
@@ -322,27 +324,9 @@ def _qdq_from_qlinear_contrib(g) -> int:
                                            **{k: v for k, v in attrs.items() if k in keep}))
         nodes.append(onnx.helper.make_node("QuantizeLinear", [f"{p}_float", at[out[0]]] + ([at[out[1]]] if at[out[1]] else []),
                                            [node.output[0]], name=f"{p}_q"))
-        _replace_node(g, node, nodes)
+        replace_node(g, node, nodes)
         count += 1
     return count
-
-
-def _links(g) -> tuple[dict, dict]:
-    """{tensor: the node that makes it}, {tensor: the nodes that read it}."""
-    producers = {o: n for n in g.node for o in n.output}
-    readers: dict[str, list] = {}
-    for n in g.node:
-        for i in n.input:
-            readers.setdefault(i, []).append(n)
-    return producers, readers
-
-
-def _replace_node(g, node, nodes: list) -> None:
-    """Put `nodes` where `node` was (keeping the graph's order)."""
-    at = list(g.node).index(node)
-    g.node.remove(node)
-    for i, n in enumerate(nodes):
-        g.node.insert(at + i, n)
 
 
 # ops that only select or move values: on a quantized tensor they commute with DequantizeLinear exactly
@@ -355,7 +339,7 @@ def _dq_before_movement(g) -> int:
     """Q -> M1 -> ... -> Mk -> DQ with value-selecting ops M (Resize only in nearest mode) becomes
     Q -> DQ -> M1 -> ... -> Mk -> Q -> DQ, same scale and zero point: the same values (they stay on the grid), with the
     movement in float and a pair on each side for TensorRT. Returns how many chains were rewritten."""
-    producers, readers = _links(g)
+    producers, readers = links(g)
     count = 0
     for dq in [n for n in g.node if n.op_type == "DequantizeLinear"]:
         chain, p = [], producers.get(dq.input[0])
@@ -468,18 +452,18 @@ def _symmetric_int8(g, q, dq, zp, inits) -> float | None:
     amax = max(abs(lo), abs(hi))
     new_scale = np.array(amax / 127, dtype=scale.dtype)
     tensor = q.input[0]
-    sname, zname = _unique(f"{tensor}_scale_int8", inits), _unique(f"{tensor}_zero_point_int8", inits)
+    sname, zname = unique_name(f"{tensor}_scale_int8", inits), unique_name(f"{tensor}_zero_point_int8", inits)
     _add(g, inits, sname, new_scale)
     _add(g, inits, zname, np.zeros(zp.shape, np.int8))
     q.input[1] = dq.input[1] = sname
     q.input[2] = dq.input[2] = zname
     low, high = lo > -amax * (1 - 1e-6), hi < amax * (1 - 1e-6)  # sides the symmetric range holds and the pair not
     if low or high:  # clamp to the pair's range (-128 * new scale, the one code outside +-amax, is left as TensorRT has it)
-        out = _unique(f"{tensor}_clamped", inits)
+        out = unique_name(f"{tensor}_clamped", inits)
         if lo == 0 and not high:
             node = onnx.helper.make_node("Relu", [tensor], [out], name=out)
         else:
-            bounds = [_unique(f"{tensor}_{k}", inits) for k in ("qmin", "qmax")]
+            bounds = [unique_name(f"{tensor}_{k}", inits) for k in ("qmin", "qmax")]
             for name, v in zip(bounds, (lo, hi)):
                 _add(g, inits, name, np.array(v, dtype=scale.dtype))
             node = onnx.helper.make_node("Clip", [tensor, *bounds], [out], name=out)
@@ -500,7 +484,7 @@ def _shifted_int8(g, q, dq, zp, inits) -> tuple | None:
     k = int(zp.item()) - (128 if zp.dtype == np.uint8 else 0)
     c = np.array(k * float(scale.item()), dtype=scale.dtype)
     tensor = q.input[0]
-    cname, zname, shifted = (_unique(f"{tensor}_{x}", inits) for x in ("shift", "zero_point_int8", "shifted"))
+    cname, zname, shifted = (unique_name(f"{tensor}_{x}", inits) for x in ("shift", "zero_point_int8", "shifted"))
     _add(g, inits, cname, c)
     _add(g, inits, zname, np.zeros(zp.shape, np.int8))
     g.node.insert(list(g.node).index(q), onnx.helper.make_node("Add", [tensor, cname], [shifted], name=shifted))
@@ -512,7 +496,7 @@ def _shifted_int8(g, q, dq, zp, inits) -> tuple | None:
 def _unshift(g, dq, shift: tuple, inits):
     """DQ -> Sub(DQ, k*s) under the DQ's old output name (its readers are unchanged). Returns the Sub node."""
     out = dq.output[0]
-    dq.output[0] = _unique(f"{out}_shifted", set(inits) | {o for n in g.node for o in n.output})
+    dq.output[0] = unique_name(f"{out}_shifted", set(inits) | {o for n in g.node for o in n.output})
     sub = onnx.helper.make_node("Sub", [dq.output[0], shift[1]], [out], name=f"{out}_unshift")
     g.node.insert(list(g.node).index(dq) + 1, sub)
     return sub
@@ -562,10 +546,10 @@ def _fold_into(g, layer, sub, shift: tuple, inits) -> bool:
         corr = -c * w.sum(axis=0)
     dtype = numpy_helper.to_array(inits[shift[1]]).dtype
     if layer.op_type == "MatMul":  # out + correction, under the MatMul's output name
-        name = _unique(f"{layer.output[0]}_unshift", inits)
+        name = unique_name(f"{layer.output[0]}_unshift", inits)
         _add(g, inits, name, corr.astype(dtype))
         out = layer.output[0]
-        layer.output[0] = _unique(f"{out}_shifted", set(inits) | {o for n in g.node for o in n.output})
+        layer.output[0] = unique_name(f"{out}_shifted", set(inits) | {o for n in g.node for o in n.output})
         g.node.insert(list(g.node).index(layer) + 1, onnx.helper.make_node("Add", [layer.output[0], name], [out], name=name))
     else:
         if has_bias:
@@ -574,7 +558,7 @@ def _fold_into(g, layer, sub, shift: tuple, inits) -> bool:
             keep = [a for a in layer.attribute if a.name != "beta"]
             del layer.attribute[:]
             layer.attribute.extend(keep)
-        name = _unique(f"{layer.name or layer.output[0]}_bias_unshifted", inits)
+        name = unique_name(f"{layer.name or layer.output[0]}_bias_unshifted", inits)
         _add(g, inits, name, corr.astype(dtype))
         while len(layer.input) < 3:
             layer.input.append("")
@@ -594,7 +578,7 @@ def _pad_before_pair(g, conv, shift: tuple, pads: list, inits) -> bool:
         return False
     x, nd = add.input[0], len(pads) // 2
     names = set(inits) | {o for n in g.node for o in n.output}
-    pname, padded, shifted, qout, dqout = (_unique(f"{conv.name or conv.output[0]}_{v}", names)
+    pname, padded, shifted, qout, dqout = (unique_name(f"{conv.name or conv.output[0]}_{v}", names)
                                            for v in ("pads", "padded", "shifted", "quantized", "dequantized"))
     _add(g, inits, pname, np.array([0, 0, *pads[:nd], 0, 0, *pads[nd:]], np.int64))
     at = list(g.node).index(conv)
@@ -661,7 +645,7 @@ def _shifted_int8_weights(g, dq, inits, readers: list) -> bool:
             return False
     codes = (data.astype(np.int16) - 128).astype(np.int8) if data.dtype == np.uint8 else data
     d = float(((128 if data.dtype == np.uint8 else 0) - int(zp.item())) * float(scale.item()))
-    name, zname = _unique(dq.input[0] + "_int8", inits), _unique(dq.input[0] + "_zero_point_int8", inits)
+    name, zname = unique_name(dq.input[0] + "_int8", inits), unique_name(dq.input[0] + "_zero_point_int8", inits)
     _add(g, inits, name, codes)
     _add(g, inits, zname, np.zeros((), np.int8))
     dq.input[:] = [name, dq.input[1], zname]
@@ -670,19 +654,19 @@ def _shifted_int8_weights(g, dq, inits, readers: list) -> bool:
             continue
         taken = set(inits) | {o for n in g.node for o in n.output}
         out = r.output[0]
-        r.output[0] = _unique(f"{out}_int8_weights", taken)
-        term = _unique(f"{out}_weight_shift", taken | {r.output[0]})
+        r.output[0] = unique_name(f"{out}_int8_weights", taken)
+        term = unique_name(f"{out}_weight_shift", taken | {r.output[0]})
         at = list(g.node).index(r) + 1
         if r.op_type == "Conv":
             group = next((a.i for a in r.attribute if a.name == "group"), 1)
-            kname = _unique(f"{term}_kernel", inits)
+            kname = unique_name(f"{term}_kernel", inits)
             shape = (1, *data.shape[1:]) if group == 1 else data.shape
             _add(g, inits, kname, np.full(shape, d, dtype=scale.dtype))
             box = onnx.helper.make_node("Conv", [r.input[0], kname], [term], name=term)
             box.attribute.extend(a for a in r.attribute)
             nodes = [box]
         else:
-            axes, dname, rs = (_unique(f"{term}_{v}", taken | set(inits)) for v in ("axes", "d", "rowsum"))
+            axes, dname, rs = (unique_name(f"{term}_{v}", taken | set(inits)) for v in ("axes", "d", "rowsum"))
             _add(g, inits, axes, np.array([-1], np.int64))
             _add(g, inits, dname, np.array(d, dtype=scale.dtype))
             nodes = [onnx.helper.make_node("ReduceSum", [r.input[0], axes], [rs], name=rs, keepdims=1),
@@ -715,8 +699,8 @@ def _symmetric_int8_weights(g, dq, inits, readers: list, per_channel: bool) -> b
     wq = np.clip(np.rint(w / new), -127, 127).astype(np.int8)
     if (np.abs(wq * new - w) > step).any():
         return False
-    name, sname = _unique(dq.input[0] + "_int8", inits), _unique(dq.input[1] + "_int8", inits)
-    zname = _unique(dq.input[2] + "_int8", inits)
+    name, sname = unique_name(dq.input[0] + "_int8", inits), unique_name(dq.input[1] + "_int8", inits)
+    zname = unique_name(dq.input[2] + "_int8", inits)
     _add(g, inits, name, wq)
     _add(g, inits, sname, new.reshape(-1) if axis is not None else new.reshape(()))
     _add(g, inits, zname, np.zeros(w.shape[axis], np.int8) if axis is not None else np.zeros((), np.int8))
@@ -748,7 +732,7 @@ def _clamp(g, q, dq, zp, inits) -> str:
         return q.input[0]
     info = np.iinfo(zp.dtype)
     lo, hi = ((np.float64(v) - np.float64(zp.item())) * np.float64(scale.item()) for v in (info.min, info.max))
-    names = [_unique(f"{q.input[0]}_{k}", inits) for k in ("qmin", "qmax", "clamped")]
+    names = [unique_name(f"{q.input[0]}_{k}", inits) for k in ("qmin", "qmax", "clamped")]
     for name, v in zip(names, (lo, hi)):
         inits[name] = numpy_helper.from_array(np.array(v, dtype=numpy_helper.to_array(inits[q.input[1]]).dtype), name)
         g.initializer.append(inits[name])
@@ -767,32 +751,10 @@ def _bypass(g, dq, new: str) -> None:
         g.node.append(onnx.helper.make_node("Identity", [new], [old], name=f"{old}_passthrough"))
 
 
-def _drop_dead(g) -> None:
-    """Remove nodes whose outputs nobody reads, and initializers nobody uses."""
-    while True:
-        used = {i for n in g.node for i in n.input} | {o.name for o in g.output}
-        dead = [n for n in g.node if not any(o in used for o in n.output if o)]
-        if not dead:
-            break
-        for n in dead:
-            g.node.remove(n)
-    used = {i for n in g.node for i in n.input} | {o.name for o in g.output}
-    for t in [t for t in g.initializer if t.name not in used]:
-        g.initializer.remove(t)
-
-
-def _unique(base: str, taken) -> str:
-    name, i = base, 0
-    while name in taken:
-        i += 1
-        name = f"{base}_{i}"
-    return name
-
-
 def _dequantize_dynamic(g, inits) -> int:
     """MatMulInteger/ConvInteger(DynamicQuantizeLinear(x), W_q) -> Cast -> Mul(scale_x * scale_w) becomes a float
     MatMul/Conv of x with W = (W_q - zp) * scale_w (ONNX Runtime's quantize_dynamic pattern). Returns the count."""
-    producers, consumers = _links(g)
+    producers, consumers = links(g)
     count = 0
     for node in [n for n in g.node if n.op_type in ("MatMulInteger", "ConvInteger")]:
         dql = producers.get(node.input[0])
@@ -816,7 +778,7 @@ def _dequantize_dynamic(g, inits) -> int:
         if node.op_type == "ConvInteger" and np.ndim(ws) == 1:
             ws = ws.reshape(-1, *([1] * (wq.ndim - 1)))
             wzp = np.reshape(wzp, (-1, *([1] * (wq.ndim - 1)))) if np.ndim(wzp) == 1 else wzp
-        name = _unique(node.input[1] + "_float", inits)
+        name = unique_name(node.input[1] + "_float", inits)
         inits[name] = numpy_helper.from_array(((wq - wzp) * ws).astype(np.float32), name)
         g.initializer.append(inits[name])
         op = "MatMul" if node.op_type == "MatMulInteger" else "Conv"

@@ -299,7 +299,8 @@ def _draw(lo: int, hi: int, step: int, rng: np.random.Generator) -> int:
 
 def shapes_in_profile(profile: Profile, n_random: int, rng: np.random.Generator,
                       rules: ShapeRules | None = None) -> list[dict[str, list[int]]]:
-    """min, opt, max, then random shapes in between: one value per group of tied dims, on each group's step."""
+    """min, opt, max (without repeats: a static profile has one), then n_random random shapes in between, each kept
+    even where it repeats a shape (a new draw of content): one value per group of tied dims, on each group's step."""
     rules = rules or ShapeRules()
     steps = rules.group_steps(profile)
     shapes = [{n: list(r[w]) for n, r in profile.items()} for w in ("min", "opt", "max")]
@@ -319,9 +320,9 @@ def shapes_in_profile(profile: Profile, n_random: int, rng: np.random.Generator,
             shape[n] = dims
         shapes.append(shape)
     seen, uniq = set(), []
-    for s in shapes:  # drop duplicates (static profiles), keep order
+    for s in shapes[:3]:  # min, opt, max without duplicates (static profiles), order kept
         key = tuple((n, tuple(v)) for n, v in sorted(s.items()))
         if key not in seen:
             seen.add(key)
             uniq.append(s)
-    return uniq
+    return uniq + shapes[3:]

@@ -126,7 +126,7 @@ def warnings_in(doc: Any, where: str = "") -> list[tuple[str, str]]:
 
 def accuracy_plot(validation: dict, path: Path) -> Path | None:
     """Per output and validation input: 1 - cosine and max/mean absolute error against the fp32 reference."""
-    per_feed = validation.get("per_feed") or []
+    per_feed = validation.get("per_feed") or (validation.get("emulation") or {}).get("per_feed") or []
     if not per_feed:
         return None
     plt = _pyplot()
@@ -279,15 +279,20 @@ def _accuracy(s: dict, v: dict | None, out_dir: Path) -> str:
             head += f" (budget accuracy.min_cosine {num('validation', 'min_cosine', v['min_cosine'])}" \
                     f"{', passed' if v.get('passed') else ', FAILED'})"
         head += "</p>"
+    if v.get("verdict"):
+        head += f"<p>verdict: <b>{esc(v['verdict'])}</b></p>"
+    for why in v.get("evidence") or []:
+        head += f"<p class='warn'>before shipping: {esc(why)}</p>"
     feeds = v.get("feeds", [])
-    head += (f"<p>measured on: <b>{esc(v.get('inputs', '?'))}</b>, {len(feeds)} input(s) "
-             f"{esc('; '.join(', '.join(f'{n} {sh}' for n, sh in f.items()) for f in feeds[:6]))}"
+    head += (f"<p>measured on: <b>{esc(v.get('inputs', '?'))}</b>, {v.get('samples', len(feeds))} sample(s) in "
+             f"{len(feeds)} input(s) {esc('; '.join(', '.join(f'{n} {sh}' for n, sh in f.items()) for f in feeds[:6]))}"
              f"{' …' if len(feeds) > 6 else ''}. What ran: the precision-transformed ONNX graph in ONNX Runtime vs the "
              f"fp32 model (the engine's own output only where a GPU of the target's compute capability ran it).</p>")
-    for key, d in (s.get("data") or {}).items():
-        what = d.get("summary") or f"{d.get('path')}, {d.get('samples')} sample(s)"
-        sha = f", sha256 <code>{esc(str(d['sha256'])[:16])}…</code>" if d.get("sha256") else ""
-        head += f"<p class='muted'>{esc(key)}: {esc(what)}{sha}</p>"
+    sets = [[esc(key), num("summary", f"data.{key}.samples", d.get("samples")), esc(d.get("source", "")),
+             esc("; ".join(d.get("notes") or []))] for key, d in (s.get("data") or {}).items()]
+    if sets:
+        head += "<p class='muted'>data sets (disjoint: no sample is in two of them):</p>" + \
+            table(["set", "samples", "source", "notes"], sets, numeric=[1])
     rows = [[esc(name), num("validation", f"outputs.{name}.cosine", o["cosine"]),
              num("validation", f"outputs.{name}.cosine_worst_feed", o["cosine_worst_feed"]) if "cosine_worst_feed" in o else "",
              num("validation", f"outputs.{name}.max_abs", o["max_abs"]), num("validation", f"outputs.{name}.mean_abs", o["mean_abs"]),
@@ -307,7 +312,8 @@ def _accuracy(s: dict, v: dict | None, out_dir: Path) -> str:
 
 def _quantization(s: dict, sens: dict | None, out_dir: Path) -> str:
     m = s.get("metrics", {})
-    keys = [k for k in ("quantized_layers", "fallback_layers", "calibration_samples", "calibrate_cosine_min") if k in m]
+    keys = [k for k in ("quantized_layers", "fallback_layers", "calibration_samples", "search_samples",
+                        "search_cosine_worst_feed", "search_cosine_all_quantized") if k in m]
     if not keys and not (out_dir / "sensitivity.png").is_file():
         return ""
     out = "<h2>Quantization</h2>" + table(["metric", "value"], [[esc(k), num("summary", f"metrics.{k}", m[k])] for k in keys],

@@ -1,4 +1,4 @@
-"""Running models: ONNX Runtime sessions on this host, and TensorRT engines on a GPU of a supported compute capability.
+"""Running TensorRT engines on a GPU of a supported compute capability (ONNX Runtime on this host: tasks/ort.py).
 
 Engine execution follows the TensorRT / TensorRT-RTX Python runtime API (`IRuntime`, `ICudaEngine`,
 `IExecutionContext.execute_async_v3`), with the CUDA runtime of `cuda-bindings` (installed with the project, imported
@@ -31,34 +31,10 @@ from typing import Any
 
 import numpy as np
 
+from .backend import collecting_logger
+from .benchmark import latency_stats
 from .errors import StageError
-
-
-def ort_session(path: Path, threads: int = 0, stage: str = "validate", basic: bool = False, optimize: bool = True):
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    if basic:
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    if not optimize:  # the graph exactly as written (no Q/DQ fusion into integer kernels)
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.log_severity_level = 4  # errors come back as exceptions; keep ORT's own printing quiet
-    if threads:
-        so.intra_op_num_threads = int(threads)
-    try:
-        return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-    except Exception as e:
-        raise StageError(f"ONNX Runtime cannot load the model: {str(e).splitlines()[0][:300]}", stage=stage,
-                         file=str(path)) from e
-
-
-def ort_run(session, feed: dict[str, np.ndarray], stage: str = "validate") -> dict[str, np.ndarray]:
-    try:
-        names = [o.name for o in session.get_outputs()]
-        return dict(zip(names, session.run(names, feed)))
-    except Exception as e:
-        shapes = {k: list(v.shape) for k, v in feed.items()}
-        raise StageError(f"ONNX Runtime failed on inputs {shapes}: {str(e).splitlines()[0][:300]}", stage=stage) from e
+from .inputs import batch_size
 
 
 # --- engine tensors as plain data ----------------------------------------------------------------------------------
@@ -273,13 +249,11 @@ class EngineRunner:
 
     def __init__(self, engine_bytes: bytes, backend, runtime_cache: Path | None = None, cuda_graph: bool = False,
                  stage: str = "validate"):
-        from .backend import _Logger
-
         self.stage, self.notes = stage, []  # notes: what the runner decided and why (e.g. a stale runtime cache)
         self.cuda = Cuda(stage)
         self.cuda("cudaFree", 0)  # creates the CUDA context (the runtime cache checks against it)
         trt = self.trt = backend.trt
-        self.logger = _Logger(trt)
+        self.logger = collecting_logger(trt)
         self.runtime = trt.Runtime(self.logger)
         self.engine = self.runtime.deserialize_cuda_engine(engine_bytes)
         if self.engine is None:
@@ -430,8 +404,6 @@ class EngineRunner:
         """CUDA-event timing per run: host-to-device copy, GPU compute (execute_async_v3) and device-to-host copy,
         each in ms, plus the host-side wall time of the whole run. Warm-up runs come first (the first one is the
         cold start: kernel specialization, lazy loading) and are reported apart."""
-        from .benchmark import batch_of, latency_stats
-
         feed = self._bind(feed)
         e0, e1, e2, e3 = self.events
         runs: list[tuple[float, float, float, float]] = []
@@ -464,7 +436,7 @@ class EngineRunner:
         return {"timer": "cuda events", "cuda_graph": self._graph is not None or self._rtx_graph,
                 "profile": self.profile, "first_run_ms": warm[0][3], "first_run_gpu_ms": warm[0][1],
                 "warmup_gpu_ms": [w[1] for w in warm],
-                **latency_stats(gpu, medians, batch_of(feed)),
+                **latency_stats(gpu, medians, batch_size(feed)),
                 "h2d_ms": float(np.median(h2d)), "d2h_ms": float(np.median(d2h)),
                 "end_to_end_p50_ms": float(np.percentile(wall, 50)), "runs": len(runs), "notes": list(self.notes)}
 

@@ -83,8 +83,10 @@ def preprocess(images: list[np.ndarray], recipe: Any) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=np.float32)
 
 
-def images_batch(recipe: Any, shape: list[int], rng: np.random.Generator, start: int = 0) -> np.ndarray:
-    """A batch for one input of the given shape (N,C,H,W or N,H,W,C), images drawn from the recipe's source."""
+def images_batch(recipe: Any, shape: list[int], rng: np.random.Generator, start: int = 0,
+                 files: list | None = None) -> np.ndarray:
+    """A batch for one input of the given shape (N,C,H,W or N,H,W,C), images drawn from the recipe's source (a
+    folder: its images in turn from `start`, or only `files` of it)."""
     nchw = str(recipe["layout"]).upper() == "NCHW"
     n, h, w = (shape[0], shape[2], shape[3]) if nchw else (shape[0], shape[1], shape[2])
     src = str(recipe["source"])
@@ -93,6 +95,6 @@ def images_batch(recipe: Any, shape: list[int], rng: np.random.Generator, start:
             raise ConfigError(f"model.images.source={src!r} is unknown", fix="use synthetic:text or a folder of images")
         imgs = [render_text_image(h, w, rng) for _ in range(n)]
     else:
-        files = list_images(src, "model.images.source")
+        files = files or list_images(src, "model.images.source")
         imgs = [load_image(files[(start + i) % len(files)], h, w) for i in range(n)]
     return preprocess(imgs, recipe)

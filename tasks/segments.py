@@ -263,8 +263,30 @@ class Composed:
         return {n: env[n] for n in self.graph_outputs}
 
 
-def ort_runner(path: Path, basic: bool = False) -> Callable:
-    from .runtime import ort_run, ort_session
+def trt_segments(plan: dict, plan_files: dict, whole_model: Path, profiles: list[dict]) -> list[dict]:
+    """The TensorRT segments of a partition plan with their fp32 ONNX and profiles; a fully supported model is one
+    segment, the whole graph."""
+    if not plan.get("hybrid"):
+        return [{"index": 0, "onnx": Path(whole_model), "profiles": profiles, "name": ""}]
+    return [{"index": s["index"], "onnx": Path(plan_files[f"segment{s['index']}"]), "profiles": s["profiles"],
+             "name": f".sg{s['index']}"} for s in plan["segments"] if s["kind"] == "trt"]
 
-    sess = ort_session(path, basic=basic)
-    return lambda feed: ort_run(sess, feed)
+
+def segment_feeds(model_path: Path, plan: dict, segment: int, feeds: list[dict[str, np.ndarray]]) -> list[dict]:
+    """What one TensorRT segment of a hybrid model sees when the model runs on ``feeds`` (the native parts in ONNX
+    Runtime); the feeds themselves for a model that is one segment."""
+    if not plan.get("hybrid"):
+        return feeds
+    import onnx
+
+    names = next(s["inputs"] for s in plan["segments"] if s["index"] == segment)
+    model = onnx.load(str(model_path))
+    return [{n: r[n] for n in names} for r in run_with_intermediates(model, names, feeds)]
+
+
+def composed_runner(plan: dict, graph_outputs: list[str], runner_for: Callable[[dict], Callable]) -> Callable:
+    """The model as it runs: one runner per TensorRT segment (an engine, or its precision graph in ONNX Runtime) and
+    ONNX Runtime for the native ones, composed in order; the single runner of a model that is one segment."""
+    if plan.get("hybrid"):
+        return Composed(plan["segments"], graph_outputs, runner_for)
+    return runner_for({"kind": "trt", "index": 0})

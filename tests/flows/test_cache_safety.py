@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.cache import StageCache, sweep, temp_name
+from flows.cache import StageCache, remove_dead_temps, temp_name
 from tasks.util import StageResult
 
 
@@ -56,7 +56,7 @@ def test_a_second_identical_stage_waits_for_the_first_and_reuses_its_entry(tmp_p
     dead = tmp_path / "t" / f"x.tmp-{2 ** 22 + 7}-abc"
     live = tmp_path / "t" / temp_name("y")
     dead.mkdir(parents=True), live.mkdir()
-    assert sweep(tmp_path / "t") == [dead] and live.is_dir()
+    assert remove_dead_temps(tmp_path / "t") == [dead] and live.is_dir()
 
 
 @pytest.mark.slow

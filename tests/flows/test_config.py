@@ -101,7 +101,7 @@ def test_a_profile_that_contradicts_the_graph_is_refused_naming_both_inputs(two_
     assert "'input_ids' dim 1" in msg and "'attention_mask' dim 1" in msg and "1/16/32" in msg and "masked_scores" in msg
     assert "fix: give 'attention_mask' dim 1 the same range as 'input_ids'" in msg
     facts = preflight(compose_config(["model=encoder"], str(two_input_conf)), str(two_input_conf))
-    tied = {(t.a, t.b) for t in facts["shape_rules"].ties if t.hard}
+    tied = {(t.a, t.b) for t in facts.rules.ties if t.hard}
     assert (("input_ids", 0), ("attention_mask", 0)) in tied and (("input_ids", 1), ("attention_mask", 1)) in tied
     msg = refused(["model=encoder", "+model.shape_multiple.input_ids=[1,8,8]"], str(two_input_conf))
     assert "model.shape_multiple.input_ids" in msg and "2 positive dims" in msg
@@ -136,7 +136,7 @@ def test_constants_are_checked_against_the_inputs(if_conf, overrides, words):
 
 def test_bound_inputs_are_no_inputs_for_profiles_and_data(if_conf):
     facts = preflight(compose_config(["model=vad"], if_conf), if_conf)
-    assert [i.name for i in facts["inputs"]] == ["x"] and list(facts["profiles"][0]) == ["x"]
+    assert [i.name for i in facts.inputs] == ["x"] and list(facts.profiles[0]) == ["x"]
 
 
 def test_the_build_key_includes_the_constants(if_conf):

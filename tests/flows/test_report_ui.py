@@ -103,7 +103,7 @@ def test_report_is_self_contained_and_every_number_is_from_the_result(sweep):
     assert len(docs["benchmark"]["native"]["times_ms"]) == docs["benchmark"]["native"]["runs"]
     assert "benchmark:engine.p50_ms" not in shown and "engine latency not measured" in text
     assert "precision fp16 needs no calibration" in text
-    assert "validated on random inputs" in text  # every warning is on the page
+    assert "random inputs inside the profiles: the verdict says nothing about real inputs" in text  # thin evidence, said
     # the MLflow run has it at the artifact root, the plots under reports/
     from mlflow.tracking import MlflowClient
 
@@ -126,12 +126,16 @@ def test_compare_prints_one_row_per_build_and_writes_compare_html(sweep, tmp_pat
     by = {(s["target"], s["precision"]): s for s in runs}
     for x in rows:
         s = by[(x[1], x[2])]
-        assert float(x[4]) == pytest.approx(s["metrics"]["cosine_min"], abs=1e-6)
+        if "cosine_min" in s["metrics"]:
+            assert float(x[4]) == pytest.approx(s["metrics"]["cosine_min"], abs=1e-6)
+        else:  # fp32 here: nothing was measured (identical graph), and the table does not make a number up
+            assert x[2] == "fp32" and x[4] == "-"
         assert float(x[5]) == pytest.approx(s["engine"]["bytes"] / 1e6, abs=0.01)
         assert s["mlflow"]["run_id"].startswith(x[-1])
     page = Page((tmp_path / "compare.html").read_text())
     assert len(page.images) == 1 and not page.external
-    assert {v for k, v, _ in page.numbers if k.endswith(":cosine_min")} == {s["metrics"]["cosine_min"] for s in runs}
+    assert {v for k, v, _ in page.numbers if k.endswith(":cosine_min")} == \
+        {s["metrics"]["cosine_min"] for s in runs if "cosine_min" in s["metrics"]}
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(env["MLFLOW_TRACKING_URI"])

@@ -36,7 +36,7 @@ def test_paddle3_model_builds_with_a_dynamic_batch(prefect_harness, sources_dir,
     assert s["status"] == "ok", s.get("error")
     cfg = (Path(s["out_dir"]) / "config.yaml").read_text()
     assert "format: paddle" in cfg
-    assert s["metrics"]["cosine_min"] > 0.99999 and s["engine"]["bytes"] > 10_000
+    assert s["engine"]["bytes"] > 10_000 and "identical graph, not measured" in s["verdict"]  # fp32: nothing to compare
 
 
 def test_static_uint8_model_builds_as_is_without_calibration(prefect_harness, sources_dir, tmp_path):

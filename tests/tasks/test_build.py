@@ -90,7 +90,8 @@ def _supported_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(_supported_gpu() is None, reason=no_gpu_reason("7.5/8.0/8.6/8.9/12.x (a TensorRT-RTX target)"))
 def test_engine_runs_on_the_gpu_and_matches_onnxruntime(tiny_onnx, tmp_path, rtx):
-    from tasks.runtime import EngineRunner, ort_run, ort_session
+    from tasks.ort import ort_run, ort_session
+    from tasks.runtime import EngineRunner
 
     cc = _supported_gpu()
     r = engine_from_onnx(tiny_onnx, tmp_path / "e.engine", [TINY_PROFILE], cc, BUILD, rtx, show_progress=False)

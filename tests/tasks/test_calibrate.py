@@ -15,7 +15,10 @@ from ml_dtypes import float8_e4m3fn
 from onnx import TensorProto, numpy_helper
 from onnxruntime.quantization.calibrate import load_tensors_data
 
-from tasks.calibrate import _Quantizer, _calibrate, _session, qdq_from_onnx
+from tasks.calibrate import qdq_from_onnx
+from tasks.ort import ort_session
+from tasks.qdq import Quantizer
+from tasks.ranges import ranges_from_feeds
 from tasks.errors import AccuracyError, ConfigError
 from tasks.samples import preprocess, render_text_image
 from tests.conftest import make_conv_model
@@ -120,7 +123,7 @@ def test_det_all_layers_int8(det_all):
     assert m["calibration_samples"] == 10
     # text pages at 320x320, fonts 12-48 px, the rest of the graph fp16: 0.891 measured; every layer int8 is the
     # worst case, the budget search below recovers 0.99
-    assert m["calibrate_cosine_min"] >= 0.88, m
+    assert m["search_cosine_worst_feed"] >= 0.88, m
     assert r.details["prepare"]["opset"] >= 19 and r.details["prepare"]["opset_in"] == 12
     n_q, consumers = _qdq_counts(r.files["onnx"])
     assert n_q > 0 and consumers == QDQ_CONSUMERS - {"MatMul", "Gemm"}, consumers  # Q/DQ only feeds those
@@ -132,8 +135,8 @@ def test_det_all_layers_int8(det_all):
 def test_det_budget_keeps_most_layers_int8(det_budget):
     r = det_budget
     m = r.metrics
-    assert m["calibrate_cosine_min"] >= 0.99, m
-    assert m["calibrate_cosine_all"] < 0.99  # the budget actually made it search
+    assert m["search_cosine_worst_feed"] >= 0.99, m
+    assert m["search_cosine_all_quantized"] < 0.99  # the budget actually made it search
     assert m["quantized_layers"] + m["fallback_layers"] == 72
     sens = r.details["sensitivity"]
     assert len(sens) == 72 and {s["op"] for s in sens} == {"Conv", "ConvTranspose", "Add"}
@@ -163,7 +166,7 @@ def det_auto(det_data, tmp_path_factory):
 
 def test_det_budget_takes_the_range_that_loses_least(det_budget, det_auto):
     m, choice = det_auto.metrics, det_auto.details["range_choice"]
-    assert m["calibrate_cosine_min"] >= 0.99 and det_auto.details["method"] == "entropy"
+    assert m["search_cosine_worst_feed"] >= 0.99 and det_auto.details["method"] == "entropy"
     assert choice and set(choice.values()) <= {"percentile", "minmax"}, choice
     entropy_alone = {s["node"]: s["cosine_alone"] for s in det_budget.details["sensitivity"]}
     rows = {s["node"]: s for s in det_auto.details["sensitivity"]}
@@ -185,8 +188,8 @@ def test_det_fp8_budget(det_fp8):
     m = r.metrics
     assert r.details["method"] == "minmax" and r.details["precision"] == "fp8"  # amax: fp8's default
     assert r.details["cosine_measurable"]
-    assert m["calibrate_cosine_all"] >= 0.93, m
-    assert m["calibrate_cosine_min"] >= 0.99, m
+    assert m["search_cosine_all_quantized"] >= 0.93, m
+    assert m["search_cosine_worst_feed"] >= 0.99, m
     assert m["quantized_layers"] + m["fallback_layers"] == 72, m
     n_q, consumers = _qdq_counts(r.files["onnx"])
     assert n_q > 0 and consumers <= QDQ_CONSUMERS, consumers
@@ -255,7 +258,7 @@ def test_det_fp8_every_layer_minmax_builds_for_sm89(det_data, det_fp8, tmp_path)
                       eval_feeds=evals[:1])
     assert r.details["method"] == "entropy" and r.metrics["quantized_layers"] == 72
     # entropy clips what fp8's range could hold: 0.784 measured (why fp8 defaults to amax)
-    assert r.details["cosine_measurable"] and r.metrics["calibrate_cosine_min"] >= 0.75, r.metrics
+    assert r.details["cosine_measurable"] and r.metrics["search_cosine_worst_feed"] >= 0.75, r.metrics
     assert _build(r.files["onnx"], "SM89") > 1_000_000
     assert _build(det_fp8.files["onnx"], "SM89") > 1_000_000
 
@@ -286,7 +289,7 @@ def test_tiny_quantizes_with_mixed_shapes(tiny):
         for method in ("minmax", "percentile", "entropy"):
             r = qdq_from_onnx(path, feeds, d / f"q_{precision}_{method}.onnx", method=method, precision=precision)
             assert r.details["method"] == method, r.details
-            assert r.metrics["quantized_layers"] == 2 and r.metrics["calibrate_cosine_min"] > 0.95, \
+            assert r.metrics["quantized_layers"] == 2 and r.metrics["search_cosine_worst_feed"] > 0.95, \
                 (precision, method, r.metrics)
 
 
@@ -295,8 +298,8 @@ def test_subset_graph_matches_quantizing_only_the_subset(tiny, precision, tmp_pa
     """The budget search derives subset graphs from the all-layers graph: same graph as ORT quantizing only
     that subset, except that a layer left in float never reads a Q/DQ output."""
     path, feeds, d = tiny
-    ranges = _calibrate(path, feeds, "minmax", tmp_path)
-    q = _Quantizer(path, ranges, precision)
+    ranges, _ = ranges_from_feeds(path, feeds, "minmax", tmp_path)
+    q = Quantizer(path, ranges, precision)
     assert q.layers == ["conv1", "conv2"]
     q.qdq(q.layers)  # builds the all-layers graph the subsets come from
     for subset in (["conv1"], ["conv2"]):
@@ -304,7 +307,7 @@ def test_subset_graph_matches_quantizing_only_the_subset(tiny, precision, tmp_pa
         assert [(n.op_type, list(n.input)) for n in derived.graph.node] == \
                [(n.op_type, list(n.input)) for n in direct.graph.node], subset
         assert sorted(t.name for t in derived.graph.initializer) == sorted(t.name for t in direct.graph.initializer)
-        outs = [_session(m.SerializeToString(), None, basic=precision == "fp8").run(None, feeds[0])[0]
+        outs = [ort_session(m.SerializeToString(), optimization="basic" if precision == "fp8" else "all").run(None, feeds[0])[0]
                 for m in (derived, direct)]
         np.testing.assert_array_equal(*outs)
 
@@ -315,7 +318,7 @@ def test_impossible_budget_raises_accuracy_error(tiny):
         qdq_from_onnx(path, feeds, d / "never.onnx", min_cosine=0.99999, high_precision="fp32")
     e = ei.value
     assert e.stage == "calibrate" and e.fix
-    assert "least sensitive layer" in e.message and "every" in e.message and "0.9" in e.message
+    assert "the least sensitive" in e.message and "every" in e.message and "0.9" in e.message
     with pytest.raises(AccuracyError, match="fp16 graph without any Q/DQ already gives cosine 0.99999"):
         qdq_from_onnx(path, feeds, d / "never.onnx", min_cosine=1.0)  # fp16 rounding alone misses a budget of 1
     assert not (d / "never.onnx").exists()
@@ -352,7 +355,7 @@ def test_a_model_computing_in_fp16_calibrates_in_fp32_and_keeps_its_interface(tm
     feeds = [{"x": rng.standard_normal((1, 3, 16, 16)).astype(np.float32)} for _ in range(6)]
     r = qdq_from_onnx(tmp_path / "half.onnx", feeds[:4], tmp_path / "q.onnx", min_cosine=0.99, eval_feeds=feeds[4:])
     assert r.details["prepare"]["fp16_upcast"] and r.metrics["quantized_layers"] == 2, r.metrics
-    assert r.metrics["calibrate_cosine_min"] >= 0.99
+    assert r.metrics["search_cosine_worst_feed"] >= 0.99
     q = onnx.load(str(r.files["onnx"]))
     assert [o.type.tensor_type.elem_type for o in q.graph.output] == [TensorProto.FLOAT16]  # the model's own output type
     from tasks.backend import Backend
@@ -375,6 +378,6 @@ def test_a_segment_without_layers_is_written_at_high_precision_only_when_asked(t
     with pytest.raises(StageError, match="no Conv"):
         qdq_from_onnx(tmp_path / "relu.onnx", feeds, tmp_path / "q.onnx", min_cosine=0.99)
     r = qdq_from_onnx(tmp_path / "relu.onnx", feeds, tmp_path / "q.onnx", min_cosine=0.99, no_layers_ok=True)
-    assert r.metrics["quantized_layers"] == 0 and r.metrics["calibrate_cosine_min"] > 0.999
+    assert r.metrics["quantized_layers"] == 0 and r.metrics["search_cosine_worst_feed"] > 0.999
     q = onnx.load(str(r.files["onnx"]))
     assert not any(n.op_type == "QuantizeLinear" for n in q.graph.node)

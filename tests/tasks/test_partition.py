@@ -6,9 +6,11 @@ import pytest
 from tasks.backend import Backend
 from tasks.errors import StageError
 from tasks.inputs import generated_feeds
-from tasks.models import graph_io, load_onnx
+from tasks.graph import load_onnx
+from tasks.models import graph_io
 from tasks.partition import plan_from_onnx
-from tasks.segments import Composed, ort_runner
+from tasks.ort import ort_runner
+from tasks.segments import Composed
 from tests.conftest import TINY_PROFILE, make_conv_model, make_hybrid_model
 
 CFG = {"min_subgraph_size": 3, "exclude_ops": [], "strict": False}

@@ -84,10 +84,7 @@ def _run(model, x):
     return sess.run(None, {"x": x})
 
 
-def _cosine(a, b):
-    a = np.asarray(a, np.float64).ravel()
-    b = np.asarray(b, np.float64).ravel()
-    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+from tasks.metrics import cosine as _cosine  # noqa: E402
 
 
 def _trt_engine_bytes(model, profile):

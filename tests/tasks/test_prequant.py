@@ -346,7 +346,8 @@ def test_qoperator_contrib_ops_become_qdq_and_one_tensorrt_graph(tmp_path):
     assert float((a * b).sum() / np.linalg.norm(a) / np.linalg.norm(b)) > 0.999
     onnx.save(m, str(tmp_path / "m.onnx"))
     from tasks.inputs import generated_feeds
-    from tasks.models import graph_io, load_onnx
+    from tasks.graph import load_onnx
+    from tasks.models import graph_io
     from tasks.partition import plan_from_onnx
 
     ins, _ = graph_io(load_onnx(tmp_path / "m.onnx"))
@@ -367,7 +368,8 @@ def test_qoperator_classifier_head_qgemm_becomes_one_tensorrt_graph(tmp_path, pe
 
     from tasks.backend import Backend
     from tasks.inputs import generated_feeds
-    from tasks.models import graph_io, load_onnx
+    from tasks.graph import load_onnx
+    from tasks.models import graph_io
     from tasks.partition import plan_from_onnx
 
     rng = np.random.default_rng(0)

@@ -10,8 +10,8 @@ import pytest
 
 from tasks.backend import gpu_for, host_gpus, no_gpu_reason
 from tasks.errors import StageError
-from tasks.runtime import (TensorSpec, check_feed, choose_profile, cuda_versions, output_plan, ort_run, ort_session,
-                           runtime_cache_file)
+from tasks.ort import ort_run, ort_session
+from tasks.runtime import TensorSpec, check_feed, choose_profile, cuda_versions, output_plan, runtime_cache_file
 
 RTX_CC = ("7.5", "8.0", "8.6", "8.9", "12.0", "12.1")
 
@@ -146,9 +146,9 @@ NZ_PROFILES = [{"x": {"min": [1, 16], "opt": [2, 16], "max": [4, 16]}}]
 
 def parse(backend, onnx_path: Path):
     trt = backend.trt
-    from tasks.backend import _Logger
+    from tasks.backend import collecting_logger
 
-    logger = _Logger(trt)
+    logger = collecting_logger(trt)
     builder = trt.Builder(logger)
     network = builder.create_network(0)
     parser = trt.OnnxParser(network, logger)

@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 
 from tasks.errors import AccuracyError
-from tasks.validate import compare, summarize, validate_onnx
+from tasks.metrics import compare, summarize
+from tasks.validate import validate_onnx
 from tests.tasks.test_prequant import quantized_models  # noqa: F401  (session fixture)
 
 
@@ -24,12 +25,35 @@ def test_nan_or_shape_mismatch_is_never_accurate():
     assert r["cosine"] == 0.0 and "shape" in r["error"]
 
 
-def test_identical_models_pass_and_the_budget_gates(tiny_onnx, tmp_path):
+def test_an_identical_graph_is_not_measured_and_says_so(tiny_onnx, tmp_path):
     rng = np.random.default_rng(0)
     feeds = [{"x": rng.standard_normal((1, 3, 8, 8)).astype(np.float32)}]
-    r = validate_onnx(tiny_onnx, tiny_onnx, feeds, 0.999, "random", tmp_path / "v.json", engine_skip_reason="no GPU")
-    assert r.metrics["cosine_min"] == pytest.approx(1.0) and r.details["engine"]["status"] == "skipped"
-    assert any("random inputs" in w for w in r.details["warnings"])
+    r = validate_onnx(tiny_onnx, tiny_onnx, feeds, 0.999, "random inputs", tmp_path / "v.json", engine_skip_reason="no GPU",
+                      identical=True, evidence=["random inputs inside the profiles", "only 1 samples"])
+    # no cosine of the graph with itself: absent, not 1.0; the gate does not apply, and the verdict says why
+    assert "cosine_min" not in r.metrics and "emulation_cosine_min" not in r.metrics
+    assert r.details["passed"] and not r.details["measured"] and r.details["engine"]["status"] == "skipped"
+    assert r.details["verdict"].startswith("not measured on 1 samples")
+    assert "identical graph, not measured" in r.details["verdict"] and "only 1 samples" in r.details["verdict"]
+
+
+def test_a_different_graph_is_measured_with_pooled_and_worst_feed_numbers(tiny_onnx, tmp_path):
+    import onnx
+    from onnx import numpy_helper
+
+    m = onnx.load(str(tiny_onnx))
+    w = m.graph.initializer[0]
+    w.CopyFrom(numpy_helper.from_array((numpy_helper.to_array(w) * 1.001).astype(np.float32), w.name))
+    other = tmp_path / "other.onnx"
+    onnx.save(m, str(other))
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.standard_normal((2, 3, 8, 8)).astype(np.float32)} for _ in range(3)]
+    r = validate_onnx(tiny_onnx, other, feeds, 0.99, "random inputs", tmp_path / "v.json")
+    m_ = r.metrics
+    assert 0.99 < m_["cosine_min"] < 1.0 and m_["cosine_worst_feed"] <= m_["cosine_min"] + 1e-12
+    assert m_["validate_feeds"] == 3 and m_["validate_samples"] == 6
+    assert 0 < m_["mean_abs_err"] <= m_["max_abs_err"]
+    assert r.details["verdict"].startswith("passed: cosine_min")
 
 
 def test_budget_failure_carries_the_measured_result(tiny_onnx, tmp_path):

@@ -1,0 +1,173 @@
+"""What a build carries from stage to stage: typed records (what preflight found, the data split, the build's
+identity) and the BuildContext that runs a stage, serves it from the content-addressed cache and records its status."""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from omegaconf import DictConfig, OmegaConf
+
+from tasks.datasets import DataSplit
+from tasks.errors import TrtforgeError
+from tasks.util import StageResult
+
+TRTFORGE_VERSION = "0.1.0"
+
+
+def _code_fingerprint() -> str:
+    """Hash of the stage code (tasks/*.py and the flows modules that shape stage outputs): part of every cache key, so
+    a changed conversion, calibration or check never serves an output made by the old code (like Prefect's
+    TASK_SOURCE policy)."""
+    h = hashlib.sha256()
+    here = Path(__file__).resolve()
+    files = sorted(here.parents[1].joinpath("tasks").glob("*.py")) + [here, here.with_name("stages.py")]
+    for f in files:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+CODE = _code_fingerprint()
+
+
+@dataclass
+class BuildInputs:
+    """What preflight found out about a build before any heavy step."""
+    backend: Any  # tasks.backend.Backend
+    inputs: list  # tasks.models.TensorInfo of the model's remaining inputs
+    outputs: list
+    profiles: list[dict]
+    rules: Any  # tasks.profiles.ShapeRules
+    search: list[Path]  # where relative model sources resolve (the user's config dir)
+    prequantized: dict | None  # the quantization the model arrived with (Q/DQ, dynamic, QLinear), else None
+    data: DataSplit  # calibration / search / validation sets
+
+
+@dataclass
+class BuildIdentity:
+    """Who this build is: its cache key, a unique id, and how a scheduled rebuild re-resolves it."""
+    cache_key: str
+    build_id: str
+    config_dir: str = ""
+    overrides: str = "null"  # JSON list of the overrides
+    tolerance: float | None = None  # rebuild: how much worse than the last good version a new one may validate
+
+
+class Skip(Exception):
+    """A stage that does not apply, or cannot run on this host; the message is the reason."""
+
+
+@dataclass
+class BuildContext:
+    cfg: DictConfig
+    inputs: BuildInputs
+    identity: BuildIdentity
+    cache: Any  # flows.cache.StageCache
+    results: dict[str, StageResult] = field(default_factory=dict)
+    stages: dict[str, dict] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    failed: str | None = None
+    error: TrtforgeError | None = None
+    show_progress: bool = True
+    on_stage: Callable[[str, dict], None] | None = None
+    origin: dict[str, Any] = field(default_factory=dict)  # this run (e.g. the flow run), stored with what it computes
+    computed: list[tuple[str, str]] = field(default_factory=list)  # (cache entry, key) computed by this run
+
+    @property
+    def backend(self):
+        return self.inputs.backend
+
+    @property
+    def data(self) -> DataSplit:
+        return self.inputs.data
+
+    def c(self, key: str) -> Any:
+        """A config value as plain Python (dicts and lists for sections)."""
+        v = OmegaConf.select(self.cfg, key)
+        return OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
+
+    def warn(self, stage: str, text: str) -> None:
+        warnings = self.stages.setdefault(stage, {}).setdefault("warnings", [])
+        if text not in warnings:
+            warnings.append(text)
+
+    def cached(self, stage: str, parts: dict, fn: Callable[[Path], StageResult], entry: str | None = None) -> StageResult:
+        """Serve a stage's output from the content-addressed cache, or compute and publish it. A stage whose every
+        lookup hit reports `cached`. `entry` names the cache folder when a stage keeps several (calibrate)."""
+        entry = entry or stage
+        key = self.cache.key(entry, {"trtforge": TRTFORGE_VERSION, "code": CODE, **parts})
+        hit = self.cache.get(entry, key)
+        hits = self.stages.setdefault(stage, {}).setdefault("_hits", [])
+        hits.append(hit is not None)
+        if hit is not None:
+            self.stages[stage].setdefault("_origins", []).append(hit.origin or {})
+            return hit
+        self.computed.append((entry, key))
+        return self.cache.run(entry, key, fn, origin=self.origin)
+
+    def run(self, name: str, fn: Callable[["BuildContext"], StageResult | None]) -> StageResult | None:
+        """Run one stage: ok / cached / skipped (with reason) / failed; after a failure the rest are skipped."""
+        entry = self.stages.setdefault(name, {})
+        t0 = time.perf_counter()
+        if self.failed:
+            entry.update(status="skipped", seconds=0.0, reason=f"the {self.failed} stage failed")
+        else:
+            try:
+                result = fn(self)
+                hits = entry.get("_hits")
+                entry.setdefault("status", "cached" if hits and all(hits) else "ok")
+                if hits and any(hits) and not all(hits):
+                    entry["reason"] = f"partly from the cache ({sum(hits)} of {len(hits)} outputs)"
+                origins = entry.get("_origins")
+                if origins:  # the oldest result served: when, where and in which run it was measured
+                    entry["cached_from"] = min(origins, key=lambda o: o.get("at", ""))
+                if result is not None:
+                    self.results[name] = result
+                    self.metrics.update(result.metrics)
+            except Skip as s:
+                entry.update(status="skipped", reason=str(s))
+            except TrtforgeError as e:
+                entry.update(status="failed", reason=e.render())
+                res = getattr(e, "result", None)
+                if res is not None:
+                    self.results[name] = res
+                    self.metrics.update(res.metrics)
+                self.failed, self.error = name, e
+            except Exception as e:  # a bug or an unwrapped library error: report it, keep the traceback
+                entry.update(status="failed", reason=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:])
+                self.failed, self.error = name, TrtforgeError(f"{type(e).__name__}: {e}", stage=name)
+            entry["seconds"] = round(time.perf_counter() - t0, 3)
+        entry.pop("_hits", None)
+        entry.pop("_origins", None)
+        if self.on_stage:
+            self.on_stage(name, entry)
+        return self.results.get(name)
+
+
+def origin_text(origin: dict) -> str:
+    """`cached from …` wording for a cache entry's origin (CLI, MLflow tags)."""
+    if not origin.get("at"):
+        return "cached (made before trtforge recorded when and where)"
+    run = f" by MLflow run {origin['mlflow_run']}" if origin.get("mlflow_run") else \
+        f" by flow run {origin['run']}" if origin.get("run") else ""
+    return f"cached from {origin['at']} on {origin.get('host', '?')}{run}"
+
+
+@contextlib.contextmanager
+def sample_progress(description: str, show: bool):
+    """A Rich progress bar over calibration samples (on stderr); yields the per-sample callback."""
+    if not show:
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("  {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task(description, total=None)
+        yield lambda done, total: progress.update(task, completed=done, total=total)

@@ -1,0 +1,109 @@
+"""How outputs are compared: the one definition of cosine similarity and of the error statistics that validate gates
+on and calibrate's accuracy search scores with.
+
+Names say what they measure:
+
+* ``cosine`` of one output on one feed: flattened float64 cosine similarity (two all-zero outputs are equal, 1.0;
+  one all-zero or a non-finite output, 0.0).
+* pooled over a set of feeds (``summarize``): per output, the cosine of all its values on every feed together
+  (``cosine``: what ``cosine_min`` gates on), the worst single feed's cosine (``cosine_worst_feed``), the largest
+  absolute error (``max_abs``) and the mean absolute error over every value of every feed (``mean_abs``).
+* a set's headline numbers (``headline``): ``cosine_min`` = the lowest pooled cosine of any output,
+  ``cosine_worst_feed`` = the lowest single-feed cosine of any output, ``max_abs_err``, ``mean_abs_err`` (the largest
+  per-output pooled mean).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    """Flattened float64 cosine similarity; both all-zero: 1.0; one all-zero or non-finite: 0.0."""
+    a = np.asarray(a, dtype=np.float64).ravel()
+    b = np.asarray(b, dtype=np.float64).ravel()
+    if a.shape != b.shape:
+        return 0.0
+    na, nb = np.linalg.norm(a), np.linalg.norm(b)
+    if na == 0 and nb == 0:
+        return 1.0
+    if na == 0 or nb == 0 or not (np.isfinite(na) and np.isfinite(nb)):
+        return 0.0
+    return float(a @ b / (na * nb))
+
+
+def compare(reference: dict[str, np.ndarray], candidate: dict[str, np.ndarray]) -> dict[str, dict]:
+    """Per output of one feed: cosine, max/mean absolute error, the reference's max |x|, and the sums that ``summarize``
+    pools over a set (``_dot``, ``_na2``, ``_nb2``, ``_abs_sum``, ``_n``)."""
+    out = {}
+    for name, ref in reference.items():
+        got = candidate[name]
+        a = np.asarray(ref, dtype=np.float64).ravel()
+        b = np.asarray(got, dtype=np.float64).ravel()
+        ref_max = float(np.abs(a).max(initial=0))
+        if a.shape != b.shape:
+            out[name] = {"cosine": 0.0, "max_abs": float("inf"), "mean_abs": float("inf"), "ref_max_abs": ref_max,
+                         "error": f"shape {list(np.shape(got))} != reference {list(np.shape(ref))}"}
+            continue
+        finite = bool(np.isfinite(b).all())
+        diff = np.abs(a - b)
+        out[name] = {"cosine": cosine(a, b), "max_abs": float(diff.max(initial=0)) if finite else float("inf"),
+                     "mean_abs": float(diff.mean()) if finite and diff.size else (0.0 if finite else float("inf")),
+                     "ref_max_abs": ref_max,
+                     "_dot": float(a @ b) if finite else 0.0, "_na2": float(a @ a), "_nb2": float(b @ b) if finite else 0.0,
+                     "_abs_sum": float(diff.sum()) if finite else float("inf"), "_n": int(diff.size)}
+    return out
+
+
+def summarize(per_feed: Iterable[dict[str, dict]]) -> dict[str, dict]:
+    """Per output over a set of feeds (``compare`` results): the pooled cosine of all its values together, the worst
+    single feed's cosine, the largest absolute error, the mean absolute error over all values, the reference's max |x|.
+    The per-feed dicts lose their pooling sums (``_…``)."""
+    stats: dict[str, dict] = {}
+    sums: dict[str, list[float]] = {}
+    for res in per_feed:
+        for name, m in res.items():
+            w = stats.setdefault(name, {"cosine": 1.0, "cosine_worst_feed": 1.0, "max_abs": 0.0, "mean_abs": 0.0,
+                                        "ref_max_abs": 0.0})
+            w["cosine_worst_feed"] = min(w["cosine_worst_feed"], m["cosine"])
+            w["max_abs"] = max(w["max_abs"], m["max_abs"])
+            w["ref_max_abs"] = max(w["ref_max_abs"], m["ref_max_abs"])
+            acc = sums.setdefault(name, [0.0, 0.0, 0.0, 0.0, 0.0])
+            for i, k in enumerate(("_dot", "_na2", "_nb2", "_abs_sum", "_n")):
+                acc[i] += m.pop(k, 0.0)
+            if "error" in m:
+                w["error"] = m["error"]
+    for name, (dot, na2, nb2, abs_sum, n) in sums.items():
+        w = stats[name]
+        if "error" in w:
+            w["cosine"], w["mean_abs"] = 0.0, float("inf")
+            continue
+        w["mean_abs"] = abs_sum / n if n else 0.0
+        if na2 == 0 and nb2 == 0:
+            w["cosine"] = 1.0
+        else:
+            w["cosine"] = float(dot / np.sqrt(na2 * nb2)) if na2 > 0 and nb2 > 0 else 0.0
+    return stats
+
+
+def headline(stats: dict[str, dict]) -> dict[str, float]:
+    """A set's headline numbers from ``summarize``: cosine_min, cosine_worst_feed, max_abs_err, mean_abs_err."""
+    return {"cosine_min": min(m["cosine"] for m in stats.values()),
+            "cosine_worst_feed": min(m["cosine_worst_feed"] for m in stats.values()),
+            "max_abs_err": max(m["max_abs"] for m in stats.values()),
+            "mean_abs_err": max(m["mean_abs"] for m in stats.values())}
+
+
+def outputs_as_dict(names: list[str], values: list[np.ndarray]) -> dict[str, np.ndarray]:
+    return dict(zip(names, values))
+
+
+def pooled_cosine(outputs: list[dict[str, np.ndarray]], references: list[dict[str, np.ndarray]]) -> float:
+    """cosine_min of a candidate's outputs against the references, feed by feed (the gate's statistic)."""
+    return headline(summarize(compare(r, o) for o, r in zip(outputs, references)))["cosine_min"]
+
+
+def worst_feed_cosine(outputs: list[dict[str, np.ndarray]], references: list[dict[str, np.ndarray]]) -> float:
+    """The lowest single-feed cosine of any output (stricter than pooled_cosine)."""
+    return min((cosine(o[n], r[n]) for o, r in zip(outputs, references) for n in r), default=1.0)

@@ -1,0 +1,79 @@
+"""ONNX Runtime on this host: the one session factory every stage uses (the fp32 reference, the precision graphs, the
+native segments of a hybrid model, calibration and benchmark), and running a session on a feed."""
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from .errors import StageError
+
+# graph optimization levels: "all" = ONNX Runtime's default; "basic" = no fusions into integer kernels (its full
+# optimisation fuses Q/DQ into QLinearConv, which has no float8 kernel); "none" = the graph exactly as written (Q/DQ
+# emulated in float, a second correct execution of a quantized model)
+OPTIMIZATION = ("all", "basic", "none")
+
+
+def ort_session(model: Path | bytes, *, optimization: str = "all", threads: int = 0, spinning: bool = False,
+                stage: str = "validate", file: str | None = None):
+    """A CPU session for an ONNX file (or serialized model bytes). Idle worker threads do not busy-wait unless
+    `spinning` (benchmark: ONNX Runtime's default, for its latency); ORT's own printing is quiet, errors come back as a
+    StageError with ONNX Runtime's reason first."""
+    import onnxruntime as ort
+
+    if optimization not in OPTIMIZATION:
+        raise ValueError(f"optimization={optimization!r}: use one of {OPTIMIZATION}")
+    so = ort.SessionOptions()
+    so.graph_optimization_level = {"all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+                                   "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+                                   "none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL}[optimization]
+    so.log_severity_level = 4
+    if not spinning:
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if threads:
+        so.intra_op_num_threads = int(threads)
+    try:
+        return ort.InferenceSession(model if isinstance(model, bytes) else str(model), so,
+                                    providers=["CPUExecutionProvider"])
+    except Exception as e:
+        where = file or (None if isinstance(model, bytes) else str(model))
+        raise StageError(f"ONNX Runtime cannot load the model: {first_line(e)}", stage=stage, file=where) from e
+
+
+def ort_run(session, feed: dict[str, np.ndarray], stage: str = "validate") -> dict[str, np.ndarray]:
+    """{output name: array} of one run."""
+    try:
+        names = [o.name for o in session.get_outputs()]
+        return dict(zip(names, session.run(names, feed)))
+    except Exception as e:
+        shapes = {k: list(v.shape) for k, v in feed.items()}
+        raise StageError(f"ONNX Runtime failed on inputs {shapes}: {first_line(e)}", stage=stage) from e
+
+
+def ort_runner(model: Path | bytes, optimization: str = "all", stage: str = "validate") -> Callable:
+    """feed -> {output: array}, for one model."""
+    sess = ort_session(model, optimization=optimization, stage=stage)
+    return lambda feed: ort_run(sess, feed, stage=stage)
+
+
+def first_line(e: Exception) -> str:
+    """An exception's first line, ONNX Runtime's "[ONNXRuntimeError] : N : KIND :" prefix dropped: the cause."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if text.startswith("[ONNXRuntimeError]"):
+        text = text.split(":", 3)[-1].strip() or text
+    return text
+
+
+@contextlib.contextmanager
+def quiet_python_logging() -> Iterator[None]:
+    """ORT's quantization tools log warnings ("consider pre-processing", bias not an initializer) on every call."""
+    logger = logging.getLogger()
+    old = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(old)

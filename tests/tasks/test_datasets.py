@@ -1,0 +1,111 @@
+"""The calibration / search / validation split (tasks/datasets.py): disjoint by sample, image folders by file."""
+import numpy as np
+import pytest
+
+from tasks.datasets import UserData, split_data
+from tasks.errors import ConfigError
+from tasks.models import TensorInfo
+from tasks.profiles import ShapeRules
+
+X = [TensorInfo("x", "float32", ["batch", 3, 8, 8])]
+PROFILE = [{"x": {"min": [1, 3, 8, 8], "opt": [4, 3, 8, 8], "max": [8, 3, 8, 8]}}]
+STATIC = [TensorInfo("x", "float32", [1, 3, 8, 8])]
+STATIC_PROFILE = [{"x": {"min": [1, 3, 8, 8], "opt": [1, 3, 8, 8], "max": [1, 3, 8, 8]}}]
+
+
+def user(n: int, key: str = "calibration.data", seed: int = 0, batch: int = 4) -> UserData:
+    """n distinct samples (each sample's values start at its index: identifiable), in feeds of `batch`."""
+    x = np.stack([np.full((3, 8, 8), i + seed * 1000, np.float32) for i in range(n)])
+    feeds = [{"x": x[i:i + batch]} for i in range(0, n, batch)]
+    return UserData(key, f"/data/{key}.npz", f"{seed:064d}", feeds, [{"file": f"{key}.npz", "sha256": "0" * 64}])
+
+
+def ids(s) -> set[int]:
+    return {int(v) for f in s.feeds for v in f["x"][:, 0, 0, 0]}
+
+
+def split(**kw):
+    args = dict(inputs=X, profiles=PROFILE, rules=ShapeRules(), calibrate=True, search=True, validate=True)
+    return split_data(**{**args, **kw})
+
+
+def test_calibration_data_alone_splits_three_ways_by_sample_never_by_feed():
+    s = split(calibration_data=user(16))  # 16 samples in 4 feeds of 4: a feed-level split would hold out 1 feed
+    cal, search, val = ids(s.calibration), ids(s.search), ids(s.validation)
+    assert (len(cal), len(search), len(val)) == (8, 4, 4)
+    assert not (cal & search) and not (cal & val) and not (search & val) and cal | search | val == set(range(16))
+    assert all(f["x"].shape[0] <= 4 for f in s.validation.feeds)  # re-batched at the opt batch
+    d = s.summary()
+    assert {k: v["samples"] for k, v in d.items()} == {"calibration": 8, "search": 4, "validation": 4}
+    assert "held out for validation" in d["validation"]["source"] and not s.notes
+
+
+def test_too_little_data_says_so_and_validates_on_what_is_left():
+    s = split(calibration_data=user(1, batch=1))
+    assert ids(s.calibration) == {0} and s.search is None
+    assert s.validation.kind == "random" and any("too few to hold any out for validation" in n for n in s.notes)
+    assert any("judges on the calibration samples themselves" in n for n in s.notes)
+    assert s.validation.thin and "random inputs" in s.validation.thin[0]
+
+
+def test_two_samples_hold_one_out_for_validation_first():
+    s = split(calibration_data=user(2, batch=1))
+    assert len(ids(s.validation)) == 1 and len(ids(s.calibration)) == 1 and s.search is None
+
+
+def test_validation_data_validates_and_calibration_data_gives_the_search_its_share():
+    s = split(calibration_data=user(8), validation_data=user(5, "validation.data", seed=1))
+    assert ids(s.validation) == {1000 + i for i in range(5)}
+    assert len(ids(s.search)) == 2 and len(ids(s.calibration)) == 6 and not ids(s.search) & ids(s.calibration)
+
+
+def test_the_same_samples_in_calibration_and_validation_data_are_refused():
+    with pytest.raises(ConfigError, match="share 3 samples") as e:
+        split(calibration_data=user(8), validation_data=user(3, "validation.data"))
+    assert "validation.data" in e.value.fix
+
+
+def test_an_fp16_build_is_validated_on_the_calibration_data_the_user_gave():
+    s = split(calibrate=False, search=False, calibration_data=user(6))
+    assert s.calibration is None and s.search is None and ids(s.validation) == set(range(6))
+    assert "calibration data validates it" in s.validation.notes[0]
+
+
+def test_calibration_samples_caps_the_calibration_set_only():
+    s = split(calibration_data=user(40), calibration_samples=8)
+    assert len(ids(s.calibration)) == 8 and len(ids(s.validation)) == 10 and len(ids(s.search)) == 8
+
+
+def test_an_image_folder_splits_by_file(tmp_path):
+    from PIL import Image
+
+    for i in range(8):
+        Image.fromarray(np.full((8, 8, 3), i * 30, np.uint8)).save(tmp_path / f"img{i}.png")
+    recipe = {"source": str(tmp_path), "input": "x", "height": 8, "width": 8, "channel_order": "RGB", "scale": 1.0,
+              "mean": [0, 0, 0], "std": [1, 1, 1], "layout": "NCHW"}
+    s = split(recipe=recipe, calibration_samples=4)
+    files = {k: {f["file"] for f in getattr(s, k).files} for k in ("calibration", "search", "validation")}
+    assert (len(files["calibration"]), len(files["search"]), len(files["validation"])) == (4, 2, 2)
+    assert not files["calibration"] & files["validation"] and not files["calibration"] & files["search"]
+
+    def pixels(ds) -> set[int]:
+        return {int(v) for f in ds.feeds for v in np.unique(f["x"][:, 0])}
+    assert not pixels(s.calibration) & pixels(s.validation)  # what was drawn comes only from each set's files
+    assert s.validation.kind == "images" and "2 images of model.images.source" in s.validation.source
+
+
+def test_a_static_profile_still_validates_on_many_samples():
+    s = split_data(inputs=STATIC, profiles=STATIC_PROFILE, rules=ShapeRules(), calibrate=False, search=False,
+                   validate=True, validation_samples=4)
+    feeds = s.validation.feeds
+    assert len(feeds) == 5 and s.validation.samples == 5  # the one static shape, then 4 fresh draws
+    assert len({f["x"].tobytes() for f in feeds}) == 5
+    assert s.validation.kind == "random" and s.validation.thin == [s.validation.thin[0]]  # random, but not too few
+
+
+def test_generated_sets_are_disjoint_draws():
+    s = split(calibration_samples=4)
+    cal = {f["x"].tobytes() for f in s.calibration.feeds}
+    val = {f["x"].tobytes() for f in s.validation.feeds}
+    search = {f["x"].tobytes() for f in s.search.feeds}
+    assert not cal & val and not cal & search and not search & val
