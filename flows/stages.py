@@ -8,6 +8,7 @@ import contextlib
 from pathlib import Path
 
 from flows.context import BuildContext, Skip, sample_progress
+from flows.runners import candidate_runner, deliverable
 from tasks import backend as trt_backend
 from tasks.build import engines_of, same_graph
 from tasks.errors import StageError, TrtforgeError
@@ -110,7 +111,7 @@ def build(ctx: BuildContext) -> StageResult:
 
 
 def _build_engines(ctx: BuildContext) -> StageResult:
-    from tasks.build import SHIPPED_METRICS, add_metrics, as_baseline, engine_from_onnx, onnx_at_precision
+    from tasks.build import add_metrics, as_baseline, onnx_at_precision
 
     t = ctx.cfg.target
     # a model that carries its own quantization is built as it is (its Q/DQ in int8, the rest fp32)
@@ -120,21 +121,13 @@ def _build_engines(ctx: BuildContext) -> StageResult:
              "build": ctx.c("build"), "backend": ctx.backend.version, "compute_capability": t.compute_capability}
 
     def work(d: Path) -> StageResult:
-        files, metrics, details = {}, {}, {"engines": []}
-        for s in segs:
-            stem = f"{ctx.cfg.model.name}.{t.name}.{label}{s['name']}"
-            conv = onnx_at_precision(s["onnx"], precision, d / f"{stem}.onnx")
-            eng = engine_from_onnx(conv.files["onnx"], d / f"{stem}.engine", s["profiles"], t.compute_capability,
-                                   ctx.c("build"), ctx.backend, show_progress=ctx.show_progress)
-            files[f"onnx{s['index']}"], files[f"engine{s['index']}"] = conv.files["onnx"], eng.files["engine"]
-            add_metrics(metrics, eng.metrics, SHIPPED_METRICS)
-            add_metrics(metrics, conv.metrics, ("convert_seconds",))
-            details["engines"].append({"segment": s["index"], "engine": eng.files["engine"].name,
-                                       "onnx": conv.files["onnx"].name, "sha256": eng.details["sha256"]})
-            details.update(backend=eng.details["backend"], compute_capability=t.compute_capability, precision=precision)
-            details.setdefault("conversion", []).append(conv.details)
-        return with_precision_profile(ctx, StageResult(files=files, metrics=metrics, details=details),
-                                      [files[f"onnx{s['index']}"] for s in segs], segs, d, precision)
+        convs = {s["index"]: onnx_at_precision(s["onnx"], precision, d / f"{stem(ctx, label, s)}.onnx") for s in segs}
+        r = engines_for(ctx, segs, {i: c.files["onnx"] for i, c in convs.items()}, label, precision, d, "build")
+        for i, c in convs.items():
+            r.files[f"onnx{i}"] = c.files["onnx"]
+            add_metrics(r.metrics, c.metrics, ("convert_seconds",))
+        r.details.update(conversion=[c.details for c in convs.values()], precision=precision)
+        return r
 
     r = ctx.cached("build", parts, work)
     if ctx.cfg.precision.quantized and not prequantized(ctx):  # the entry is shared with the fp16/fp32 build
@@ -150,9 +143,7 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
     if prequantized(ctx):
         from tasks.prequant import describe
         raise Skip(f"the model is already quantized ({describe(prequantized(ctx))})")
-    from tasks.build import SHIPPED_METRICS, add_metrics, engine_from_onnx
-    from tasks.calibrate import qdq_from_onnx
-    from tasks.report import sensitivity_report
+    from tasks.calibrate import qdq_for_segments
     from tasks.search import search_target
     from tasks.segments import segment_feeds
 
@@ -163,46 +154,20 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
                "search": held.key if held else None, "method": c.method, "precision": p.name, "min_cosine": target}
 
     def quantize(d: Path) -> StageResult:
-        files, metrics, details = {}, {"quantized_layers": 0, "fallback_layers": 0}, []
-        for s in segs:
-            with sample_progress(f"calibrating ({c.method or 'default method'}, segment {s['index']})",
-                                 ctx.show_progress) as on_sample:
-                r = qdq_from_onnx(s["onnx"], segment_feeds(model, plan, s["index"], cal.feeds), d / f"qdq{s['index']}.onnx",
-                                  method=c.method, precision=p.name, min_cosine=target,
-                                  eval_feeds=segment_feeds(model, plan, s["index"], held.feeds) if held else None,
-                                  workdir=d / f"work{s['index']}", on_sample=on_sample, no_layers_ok=len(segs) > 1)
-            files[f"qdq{s['index']}"] = r.files["onnx"]
-            for k in ("quantized_layers", "fallback_layers"):
-                metrics[k] += r.metrics[k]
-            for k in ("search_cosine_worst_feed", "search_cosine_all_quantized"):  # absent when not measured
-                if k in r.metrics:
-                    metrics[k] = min(metrics.get(k, 1.0), r.metrics[k])
-            metrics.update(calibration_samples=r.metrics["calibration_samples"], search_samples=r.metrics["search_samples"])
-            details.append({"segment": s["index"], **r.details})
-        if not metrics["quantized_layers"] + metrics["fallback_layers"]:
-            raise StageError("no TensorRT segment of the model has a Conv/ConvTranspose/MatMul/Gemm node to quantize",
-                             stage="calibrate", fix="keep this model at fp16/fp32")
-        files.update(sensitivity_report(details, d))
-        return StageResult(files=files, metrics=metrics, details={"segments": details})
+        def progress(seg: int):
+            return sample_progress(f"calibrating ({c.method or 'default method'}, segment {seg})", ctx.show_progress)
+        return qdq_for_segments(segs, lambda i: segment_feeds(model, plan, i, cal.feeds),
+                                (lambda i: segment_feeds(model, plan, i, held.feeds)) if held else None, d,
+                                method=c.method, precision=p.name, min_cosine=target, progress=progress)
 
     q = ctx.cached("calibrate", q_parts, quantize, entry="calibrate-qdq")
     t = ctx.cfg.target
     e_parts = {"qdq": [sha256_file(q.files[f"qdq{s['index']}"]) for s in segs], "profiles": [s["profiles"] for s in segs],
                "build": ctx.c("build"), "backend": ctx.backend.version, "compute_capability": t.compute_capability}
 
-    def build_quantized(d: Path) -> StageResult:
-        files, metrics, details = {}, {}, {"engines": []}
-        for s in segs:
-            stem = f"{ctx.cfg.model.name}.{t.name}.{p.name}{s['name']}"
-            eng = engine_from_onnx(q.files[f"qdq{s['index']}"], d / f"{stem}.engine", s["profiles"], t.compute_capability,
-                                   ctx.c("build"), ctx.backend, show_progress=ctx.show_progress, stage="calibrate")
-            files[f"engine{s['index']}"] = eng.files["engine"]
-            add_metrics(metrics, eng.metrics, SHIPPED_METRICS)  # the quantized engines ship
-            details["engines"].append({"segment": s["index"], "engine": eng.files["engine"].name, "sha256": eng.details["sha256"]})
-        return with_precision_profile(ctx, StageResult(files=files, metrics=metrics, details=details),
-                                      [q.files[f"qdq{s['index']}"] for s in segs], segs, d, p.name)
-
-    e = ctx.cached("calibrate", e_parts, build_quantized, entry="calibrate-engine")
+    e = ctx.cached("calibrate", e_parts, lambda d: engines_for(ctx, segs, {s["index"]: q.files[f"qdq{s['index']}"]
+                                                                       for s in segs}, p.name, p.name, d, "calibrate"),
+                   entry="calibrate-engine")
     files = {**e.files, **{f"onnx{s['index']}": q.files[f"qdq{s['index']}"] for s in segs},
              **{k: v for k, v in q.files.items() if k.startswith("sensitivity")}}
     details = {"engines": [{**x, "onnx": q.files[f"qdq{x['segment']}"].name} for x in e.details["engines"]],
@@ -210,48 +175,35 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
     return StageResult(files=files, metrics={**q.metrics, **e.metrics}, details=details)
 
 
-def with_precision_profile(ctx: BuildContext, r: StageResult, graphs: list[Path], segs: list[dict], d: Path,
-                           precision: str) -> StageResult:
-    """Add the precision profile of the engines just built from ``graphs`` (one per segment) to ``r``."""
+def stem(ctx: BuildContext, label: str, seg: dict) -> str:
+    """File name stem of a segment's graph and engine: <model>.<target>.<label>[.sg<i>]."""
+    return f"{ctx.cfg.model.name}.{ctx.cfg.target.name}.{label}{seg['name']}"
+
+
+def engines_for(ctx: BuildContext, segs: list[dict], graphs: dict[int, Path], label: str, precision: str, d: Path,
+                stage: str) -> StageResult:
+    """One engine per TensorRT segment from its graph (`graphs`: segment index -> ONNX), with the precision profile
+    of what was built (`flops_share`); build_seconds/engine_bytes summed over the segments."""
+    from tasks.build import SHIPPED_METRICS, add_metrics, engine_from_onnx
     from tasks.flops import precision_profile
 
-    prof = precision_profile(graphs, [s["profiles"] for s in segs], ctx.backend, d,
-                             f"{ctx.cfg.model.name} {ctx.cfg.target.name} {precision}")
-    r.files.update(prof.files)
-    r.metrics.update(prof.metrics)
-    r.details["precision_profile"] = prof.details
-    return r
-
-
-def deliverable(ctx: BuildContext) -> StageResult:
-    """The stage whose engines ship: calibrate's quantized engines when it made them, else build's."""
-    cal = ctx.results.get("calibrate")
-    return cal if cal is not None and any(k.startswith("engine") for k in cal.files) else ctx.results["build"]
-
-
-def candidate_runner(ctx: BuildContext, runners: contextlib.ExitStack | None = None, stage: str = "validate",
-                     cuda_graph: bool = False):
-    """The model as it will run: per TensorRT segment the engine (with `runners`: on a GPU, closed with it) or its
-    precision graph in ONNX Runtime, the native segments of a hybrid model in ONNX Runtime between them."""
-    from tasks.ort import ort_runner
-    from tasks.runtime import EngineRunner, runtime_cache_file
-    from tasks.segments import composed_runner
-
-    by_segment = {i: (eng, onnx) for i, eng, onnx in engines_of(deliverable(ctx))}
-    cache = runtime_cache_file(ctx.cfg.cache_dir, ctx.cfg.target.name, ctx.backend.version)
-
-    def runner_for(seg: dict):
-        if seg["kind"] != "trt":
-            return ort_runner(ctx.results["partition"].files[f"segment{seg['index']}"])
-        eng, onnx = by_segment[seg["index"]]
-        if runners is not None:
-            return runners.enter_context(EngineRunner(Path(eng).read_bytes(), ctx.backend, runtime_cache=cache,
-                                                      cuda_graph=cuda_graph, stage=stage)).infer
-        # ORT's full optimisation fuses Q/DQ into kernels that have no float8 version
-        return ort_runner(onnx, optimization="basic" if ctx.cfg.precision.name == "fp8" else "all")
-
-    outputs = [o["name"] for o in ctx.results["export"].details["outputs"]]
-    return composed_runner(ctx.results["partition"].details, outputs, runner_for)
+    t = ctx.cfg.target
+    files, metrics, details = {}, {}, {"engines": [], "backend": ctx.backend.version,
+                                       "compute_capability": t.compute_capability}
+    for s in segs:
+        eng = engine_from_onnx(graphs[s["index"]], d / f"{stem(ctx, label, s)}.engine", s["profiles"],
+                               t.compute_capability, ctx.c("build"), ctx.backend, show_progress=ctx.show_progress,
+                               stage=stage)
+        files[f"engine{s['index']}"] = eng.files["engine"]
+        add_metrics(metrics, eng.metrics, SHIPPED_METRICS)
+        details["engines"].append({"segment": s["index"], "engine": eng.files["engine"].name,
+                                   "onnx": Path(graphs[s["index"]]).name, "sha256": eng.details["sha256"]})
+    prof = precision_profile([graphs[s["index"]] for s in segs], [s["profiles"] for s in segs], ctx.backend, d,
+                             f"{ctx.cfg.model.name} {t.name} {precision}")
+    files.update(prof.files)
+    metrics.update(prof.metrics)
+    details["precision_profile"] = prof.details
+    return StageResult(files=files, metrics=metrics, details=details)
 
 
 def validate(ctx: BuildContext) -> StageResult:
@@ -308,54 +260,35 @@ def validate(ctx: BuildContext) -> StageResult:
 
 
 def benchmark(ctx: BuildContext) -> StageResult:
-    from tasks.benchmark import benchmark_model, host_info, measure
-    from tasks.inputs import batch_size, generated_feeds
+    from tasks.benchmark import baseline_note, benchmark_model, engine_timing, host_info
+    from tasks.inputs import generated_feeds
+    from tasks.runtime import EngineRunner, runtime_cache_file
 
     if not ctx.cfg.stages.benchmark:
         raise Skip("disabled (stages.benchmark=false)")
-    ref, eng_r, cc = ctx.results["export"], deliverable(ctx), ctx.cfg.target.compute_capability
+    ref, eng_r, cc, p = ctx.results["export"], deliverable(ctx), ctx.cfg.target.compute_capability, ctx.cfg.precision
     opt = {n: {"min": r["opt"], "opt": r["opt"], "max": r["opt"]} for n, r in ctx.inputs.profiles[0].items()}
     feed = generated_feeds(ctx.inputs.inputs, [opt], 0, ctx.cfg.seed, recipe=ctx.c("model.images"))[0]
-    gpu = trt_backend.gpu_for(cc)
-    quantized = bool(ctx.cfg.precision.quantized)
-    bench = ctx.c("benchmark")
+    gpu, bench, hybrid = trt_backend.gpu_for(cc), ctx.c("benchmark"), ctx.results["partition"].details.get("hybrid")
     build_metrics = {k: ctx.metrics[k] for k in ("engine_bytes", "build_seconds", "baseline_engine_bytes",
                                                  "baseline_build_seconds") if k in ctx.metrics}
     parts = {"onnx": file_hash(ref, "onnx"), "bench": bench, "host": host_info(), "gpu": gpu and gpu.name,
              "shape": {n: list(a.shape) for n, a in feed.items()},
              "engines": [sha256_file(e) for _, e, _ in engines_of(eng_r)] if gpu else None}
-
-    def time_engines(r: StageResult, runners: contextlib.ExitStack) -> dict:
-        """One engine: CUDA-event timing of GPU compute apart from the copies. A hybrid model: host wall clock of the
-        whole composed run (engines, ONNX Runtime segments and the copies between them)."""
-        from tasks.runtime import EngineRunner, runtime_cache_file
-
-        if ctx.results["partition"].details.get("hybrid"):
-            composed = candidate_runner(ctx, runners=runners, stage="benchmark")
-            return {"timer": "host wall clock: engines + ONNX Runtime segments + copies",
-                    **measure(lambda: composed(feed), bench, batch_size(feed))}
-        cache = runtime_cache_file(ctx.cfg.cache_dir, ctx.cfg.target.name, ctx.backend.version)
-        runner = runners.enter_context(EngineRunner(Path(engines_of(r)[0][1]).read_bytes(), ctx.backend,
-                                                    runtime_cache=cache, cuda_graph=bench["cuda_graph"], stage="benchmark"))
-        t = runner.measure(feed, bench["warmup"], bench["iterations"], bench["repeats"])
-        return {**t, "timer": "cuda events: p50_ms... is GPU compute (execute_async_v3); h2d/d2h copies apart"}
+    cache = runtime_cache_file(ctx.cfg.cache_dir, ctx.cfg.target.name, ctx.backend.version)
 
     def work(d: Path) -> StageResult:
         timing = None
         if gpu:  # engines on the GPU; a hybrid model end to end (engines + native segments + copies)
-            timing = {"runtime": f"{ctx.backend.version} on {gpu.name} (sm {gpu.compute_capability})"}
             with contextlib.ExitStack() as runners:
-                timing.update(time_engines(eng_r, runners))
-                if quantized and not ctx.results["partition"].details.get("hybrid"):  # engine vs engine
-                    timing["baseline_p50_ms"] = time_engines(ctx.results["build"], runners)["p50_ms"]
-                    timing["quantized_but_slower"] = bool(timing["p50_ms"] > timing["baseline_p50_ms"])
-        extra = {}
-        if quantized:
-            extra["quantized_vs_baseline"] = (
-                f"{ctx.cfg.precision.name} engine vs the {ctx.cfg.precision.baseline} baseline: "
-                + (("QUANTIZED BUT SLOWER" if timing.get("quantized_but_slower") else "quantized is faster")
-                   if timing and "baseline_p50_ms" in timing else
-                   "needs a GPU of compute capability " + cc + " to time both engines"))
+                def open_engine(path: Path):
+                    return runners.enter_context(EngineRunner(Path(path).read_bytes(), ctx.backend, runtime_cache=cache,
+                                                              cuda_graph=bench["cuda_graph"], stage="benchmark"))
+                baseline = engines_of(ctx.results["build"])[0][1] if p.quantized and not hybrid else None
+                timing = engine_timing(feed, bench, f"{ctx.backend.version} on {gpu.name} (sm {gpu.compute_capability})",
+                                       open_engine, engines_of(eng_r)[0][1], baseline,
+                                       composed=candidate_runner(ctx, runners, "benchmark") if hybrid else None)
+        extra = {"quantized_vs_baseline": baseline_note(p.name, p.baseline, cc, timing)} if p.quantized else {}
         return benchmark_model(ref.files["onnx"], feed, bench, d / "benchmark.json", build_metrics, timing,
                                None if gpu else trt_backend.no_gpu_reason(cc) + "; engine timing needs that GPU", extra)
 

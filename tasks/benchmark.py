@@ -76,3 +76,30 @@ def benchmark_model(onnx_path: Path, feed: dict[str, np.ndarray], bench_cfg: Any
         metrics.update({f"trt_{k}": v for k, v in engine_timing.items() if isinstance(v, float)})
     metrics["benchmark_seconds"] = time.perf_counter() - t0
     return StageResult(files={"benchmark": out_path}, metrics=metrics, details=report)
+
+
+def engine_timing(feed: dict[str, np.ndarray], bench_cfg: Any, device: str, open_engine: Callable, engine: Path,
+                  baseline: Path | None = None, composed: Callable | None = None) -> dict[str, Any]:
+    """Engine timing on a GPU. One engine: CUDA-event timing of GPU compute apart from the copies (``open_engine``
+    gives its EngineRunner), and the ``baseline`` engine's (the fp16/fp32 build of an int8/fp8 one) for comparison. A
+    hybrid model (``composed``: engines + ONNX Runtime segments): host wall clock of the whole composed run."""
+    timing: dict[str, Any] = {"runtime": device}
+    if composed is not None:
+        return {**timing, "timer": "host wall clock: engines + ONNX Runtime segments + copies",
+                **measure(lambda: composed(feed), bench_cfg, batch_size(feed))}
+
+    def timed(path: Path) -> dict:
+        return open_engine(path).measure(feed, bench_cfg["warmup"], bench_cfg["iterations"], bench_cfg["repeats"])
+    timing.update(timed(engine), timer="cuda events: p50_ms... is GPU compute (execute_async_v3); h2d/d2h copies apart")
+    if baseline is not None:  # engine vs engine
+        timing["baseline_p50_ms"] = timed(baseline)["p50_ms"]
+        timing["quantized_but_slower"] = bool(timing["p50_ms"] > timing["baseline_p50_ms"])
+    return timing
+
+
+def baseline_note(precision: str, baseline: str, compute_capability: str, timing: dict | None) -> str:
+    """Whether the quantized engine beat its baseline, in words (or what it takes to know)."""
+    head = f"{precision} engine vs the {baseline} baseline: "
+    if timing and "baseline_p50_ms" in timing:
+        return head + ("QUANTIZED BUT SLOWER" if timing["quantized_but_slower"] else "quantized is faster")
+    return head + "needs a GPU of compute capability " + compute_capability + " to time both engines"

@@ -175,6 +175,38 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
         )
 
 
+def qdq_for_segments(segments: list[dict], feeds_for: Callable[[int], list[Feed]],
+                     search_feeds_for: Callable[[int], list[Feed]] | None, out_dir: Path, *, method: str | None,
+                     precision: str, min_cosine: float | None,
+                     progress: Callable[[int], contextlib.AbstractContextManager] | None = None) -> StageResult:
+    """``qdq_from_onnx`` for each TensorRT segment of a model (``segments``: index, onnx), each on what that segment
+    sees of the calibration and search samples; the layer counts summed, each search cosine the lowest segment's
+    (absent when no segment measured it), and the sensitivity report of all. A segment without a layer to quantize
+    (one of several) is written at the high precision; a model with none at all is refused."""
+    from .report import sensitivity_report
+
+    files, metrics, details = {}, {"quantized_layers": 0, "fallback_layers": 0}, []
+    for s in segments:
+        i = s["index"]
+        with (progress(i) if progress else contextlib.nullcontext()) as on_sample:
+            r = qdq_from_onnx(s["onnx"], feeds_for(i), out_dir / f"qdq{i}.onnx", method=method, precision=precision,
+                              min_cosine=min_cosine, eval_feeds=search_feeds_for(i) if search_feeds_for else None,
+                              workdir=out_dir / f"work{i}", on_sample=on_sample, no_layers_ok=len(segments) > 1)
+        files[f"qdq{i}"] = r.files["onnx"]
+        for k in ("quantized_layers", "fallback_layers"):
+            metrics[k] += r.metrics[k]
+        for k in ("search_cosine_worst_feed", "search_cosine_all_quantized"):  # absent when not measured
+            if k in r.metrics:
+                metrics[k] = min(metrics.get(k, 1.0), r.metrics[k])
+        metrics.update(calibration_samples=r.metrics["calibration_samples"], search_samples=r.metrics["search_samples"])
+        details.append({"segment": i, **r.details})
+    if not metrics["quantized_layers"] + metrics["fallback_layers"]:
+        raise StageError("no TensorRT segment of the model has a Conv/ConvTranspose/MatMul/Gemm node to quantize",
+                         stage=STAGE, fix="keep this model at fp16/fp32")
+    files.update(sensitivity_report(details, out_dir))
+    return StageResult(files=files, metrics=metrics, details={"segments": details})
+
+
 def _check_arguments(method: str, precision: str, feeds: list, high_precision: str, min_cosine: float | None) -> None:
     if method not in METHODS:
         raise ConfigError(f"calibration method {method!r} is unknown", stage=STAGE, fix=f"use one of {', '.join(METHODS)}")

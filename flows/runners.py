@@ -1,0 +1,41 @@
+"""The model as it will run, for validate and benchmark: the shipped engines (on a GPU) or their precision graphs in
+ONNX Runtime, per TensorRT segment, composed with the native segments of a hybrid model."""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+from flows.context import BuildContext
+from tasks.build import engines_of
+from tasks.util import StageResult
+
+
+def deliverable(ctx: BuildContext) -> StageResult:
+    """The stage whose engines ship: calibrate's quantized engines when it made them, else build's."""
+    cal = ctx.results.get("calibrate")
+    return cal if cal is not None and any(k.startswith("engine") for k in cal.files) else ctx.results["build"]
+
+
+def candidate_runner(ctx: BuildContext, runners: contextlib.ExitStack | None = None, stage: str = "validate",
+                     cuda_graph: bool = False):
+    """The model as it will run: per TensorRT segment the engine (with `runners`: on a GPU, closed with it) or its
+    precision graph in ONNX Runtime, the native segments of a hybrid model in ONNX Runtime between them."""
+    from tasks.ort import ort_runner
+    from tasks.runtime import EngineRunner, runtime_cache_file
+    from tasks.segments import composed_runner
+
+    by_segment = {i: (eng, onnx) for i, eng, onnx in engines_of(deliverable(ctx))}
+    cache = runtime_cache_file(ctx.cfg.cache_dir, ctx.cfg.target.name, ctx.backend.version)
+
+    def runner_for(seg: dict):
+        if seg["kind"] != "trt":
+            return ort_runner(ctx.results["partition"].files[f"segment{seg['index']}"])
+        eng, onnx = by_segment[seg["index"]]
+        if runners is not None:
+            return runners.enter_context(EngineRunner(Path(eng).read_bytes(), ctx.backend, runtime_cache=cache,
+                                                      cuda_graph=cuda_graph, stage=stage)).infer
+        # ORT's full optimisation fuses Q/DQ into kernels that have no float8 version
+        return ort_runner(onnx, optimization="basic" if ctx.cfg.precision.name == "fp8" else "all")
+
+    outputs = [o["name"] for o in ctx.results["export"].details["outputs"]]
+    return composed_runner(ctx.results["partition"].details, outputs, runner_for)
