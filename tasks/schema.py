@@ -101,7 +101,7 @@ class CalibrationConfig:
 @dataclass
 class ValidationConfig:
     data: Optional[str] = None
-    samples: int = 2  # random shapes (besides min, opt, max) when no data is given
+    samples: int = 4  # with no validation data: draws (new content each) besides the min, opt and max shapes
     seed: int = 0
     engine: bool = True  # also run the engine where a supported GPU exists
 
