@@ -18,7 +18,7 @@ int8 calibrates on the model's `images` recipe where it has one, else on random 
 (`--calibration batch`: one array per input, samples along the batch axis; `stacked`: a stack of batches).
 
 The table: model, precision, status, cosine_min (the precision-transformed graph vs fp32 in ONNX Runtime, as validate
-measures it on this host), TensorRT engines, native (ONNX Runtime) nodes, build seconds, engine MB, and the reason of
+measures it on this host; "n/m" where the graph is the reference itself, fp32 on a host without the GPU: not measured), TensorRT engines, native (ONNX Runtime) nodes, build seconds, engine MB, and the reason of
 any failure (first line of the error).  `--json PATH` writes the rows.  Known failures and their owners:
 benchmarks/zoo/KNOWN.md.
 """
@@ -343,6 +343,8 @@ def build_models(names: list[str], precisions: list[str], target: str, tmp: Path
                 row["reason"] = (summary.get("error") or "").splitlines()[0] if summary.get("error") else \
                     next((f"{s}: {e.get('reason')}" for s, e in summary["stages"].items() if e.get("status") == "failed"), "")
             v = (summary["stages"].get("validate") or {})
+            if summary["status"] == "ok" and row.get("cosine_min") is None and "identical graph" in (summary.get("verdict") or ""):
+                row["note"] = "identical graph: the engine's graph is the reference itself, not measured"
             if v.get("status") == "skipped":
                 row["note"] = f"validate skipped: {v.get('reason', '')}"
         rows.append(row)
@@ -361,7 +363,8 @@ def table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cos = r.get("cosine_min")
-        cells = (r["model"], r["precision"], r["status"], "" if cos is None else f"{cos:.5f}", fmt(r.get("engines"), "d"),
+        shown = "n/m" if cos is None and "identical graph" in (r.get("note") or "") else "" if cos is None else f"{cos:.5f}"
+        cells = (r["model"], r["precision"], r["status"], shown, fmt(r.get("engines"), "d"),
                  fmt(r.get("fallback_nodes"), "d"), fmt(r.get("build_seconds"), ".1f"),
                  "" if r.get("engine_bytes") is None else f"{r['engine_bytes'] / 1e6:.1f}",
                  (r.get("reason") or r.get("note") or "").replace("|", "/")[:160])
