@@ -90,6 +90,7 @@ def publish(ctx: BuildContext) -> dict:
     summary["versions"] = versions(ctx)
     summary["host"] = socket.gethostname()  # where these numbers were measured (an up-to-date answer says so)
     summary["cache_key"] = ctx.identity.cache_key
+    summary["inputs"] = ctx.deps  # every file the stages read and library they used: an up-to-date answer checks them
     write_json(tmp / "summary.json", summary)
     write_report(tmp)
     try:

@@ -21,6 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from tasks.deps import changed, merge_deps, recording
 from tasks.util import StageResult, sha256_file, sha256_json, write_json
 
 CACHE_FORMAT = 2
@@ -85,6 +86,7 @@ def remove_dead_temps(folder: Path, prefix: str = "") -> list[Path]:
 class StageCache:
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root).expanduser().resolve()
+        self.stale: dict[tuple[str, str], str] = {}
 
     def key(self, stage: str, parts: dict) -> str:
         return sha256_json({"stage": stage, "format": CACHE_FORMAT, **parts})
@@ -93,6 +95,8 @@ class StageCache:
         return self.root / stage / key
 
     def get(self, stage: str, key: str) -> StageResult | None:
+        """The entry, or None when there is none, it is damaged, or a file it read or a library it used has changed
+        since (then `self.stale[(stage, key)]` says what)."""
         d = self.entry(stage, key)
         meta = d / "result.json"
         if not meta.is_file():
@@ -106,7 +110,12 @@ class StageCache:
         if not all(p.is_file() and sha256_file(p) == digests.get(k) for k, p in files.items()):
             shutil.rmtree(d, ignore_errors=True)  # damaged or tampered with: recompute
             return None
-        return StageResult(files=files, metrics=data["metrics"], details=data["details"], origin=data.get("origin"))
+        why = changed(data.get("deps"))
+        if why:  # computed from inputs that have changed since: recompute (the new entry replaces it)
+            self.stale[(stage, key)] = why
+            return None
+        return StageResult(files=files, metrics=data["metrics"], details=data["details"], origin=data.get("origin"),
+                           deps=data.get("deps") or {})
 
     def run(self, stage: str, key: str, fn: Callable[[Path], StageResult], origin: dict | None = None) -> StageResult:
         """Run fn(workdir) and publish its files atomically under the key; return the published result.
@@ -132,7 +141,8 @@ class StageCache:
         tmp = self.root / ".tmp" / temp_name(stage)
         tmp.mkdir(parents=True)
         try:
-            result = fn(tmp)
+            with recording(exclude=[self.root]) as reads:  # every file the stage reads, beyond its cache inputs
+                result = fn(tmp)
             rel = {}
             for name, p in result.files.items():
                 p = Path(p)
@@ -144,7 +154,7 @@ class StageCache:
                     **(origin or {})}
             write_json(tmp / "result.json", {"files": rel, "metrics": result.metrics, "details": result.details,
                                              "sha256": {k: sha256_file(tmp / v) for k, v in rel.items()},
-                                             "origin": made})
+                                             "origin": made, "deps": merge_deps(reads.record(), result.deps)})
             final = self.entry(stage, key)
             final.parent.mkdir(parents=True, exist_ok=True)
             if final.exists():  # a damaged entry (its files failed the hash check)
@@ -167,13 +177,12 @@ def build_key(cfg: Any, config_dir: str | None = None) -> str:
     """Everything a build's result depends on, hashed cheaply (no TensorRT import, no model load, no server):
     the resolved config, the model's content, calibration/validation data and images, the stage code, the
     backend and library versions, and the GPUs of this host (validate and benchmark use them when present)."""
-    from importlib.metadata import version
-
     from omegaconf import OmegaConf
 
     from flows.config import config_dir_search
     from flows.context import CODE, TRTFORGE_VERSION
     from tasks.backend import host_gpus, installed_version
+    from tasks.deps import all_stage_libraries
     from tasks.export import source_fingerprint
     from tasks.inputs import data_hash
     from tasks.samples import GENERATOR_VERSION
@@ -183,7 +192,7 @@ def build_key(cfg: Any, config_dir: str | None = None) -> str:
                              "config": {k: v for k, v in c.items() if k not in RUNTIME_KEYS},
                              "source": source_fingerprint(c["model"], config_dir_search(config_dir)),
                              "backend": installed_version(c["target"]["backend"]),
-                             "libs": {d: version(d) for d in ("onnx", "onnxruntime", "numpy")},
+                             "libs": all_stage_libraries(),
                              "gpus": [(g.name, g.compute_capability, g.driver) for g in host_gpus()],
                              "samples": GENERATOR_VERSION}
     for key in ("calibration.data", "validation.data"):
@@ -238,13 +247,16 @@ def remove_result(final: Path) -> None:
 
 
 def published(cfg: Any, key: str) -> dict | None:
-    """The published ok summary when it was built from exactly these inputs and its engines are intact."""
+    """The published ok summary when it was built from exactly these inputs (its key, and the files and libraries it
+    recorded having read and used) and its engines are intact."""
     final = result_dir(cfg)
     try:
         s = json.loads((final / "summary.json").read_text())
     except (OSError, json.JSONDecodeError):
         return None
     if s.get("status") != "ok" or s.get("cache_key") != key or not s.get("mlflow", {}).get("run_id"):
+        return None
+    if changed(s.get("inputs")):  # a file the build read (external weights, a checkpoint, ...) or a library changed
         return None
     for e in s.get("engines", []):
         f = final / e["file"]

@@ -13,6 +13,7 @@ from typing import Any, Callable
 from omegaconf import DictConfig, OmegaConf
 
 from tasks.datasets import DataSplit
+from tasks.deps import STAGE_LIBRARIES, library_versions, merge_deps
 from tasks.errors import TrtforgeError
 from tasks.util import StageResult
 
@@ -77,6 +78,7 @@ class BuildContext:
     on_stage: Callable[[str, dict], None] | None = None
     origin: dict[str, Any] = field(default_factory=dict)  # this run (e.g. the flow run), stored with what it computes
     computed: list[tuple[str, str]] = field(default_factory=list)  # (cache entry, key) computed by this run
+    deps: dict = field(default_factory=dict)  # files read and libraries used by every stage result (summary "inputs")
 
     @property
     def backend(self):
@@ -96,19 +98,27 @@ class BuildContext:
         if text not in warnings:
             warnings.append(text)
 
-    def cached(self, stage: str, parts: dict, fn: Callable[[Path], StageResult], entry: str | None = None) -> StageResult:
+    def cached(self, stage: str, parts: dict, fn: Callable[[Path], StageResult], entry: str | None = None,
+               data: bool = False) -> StageResult:
         """Serve a stage's output from the content-addressed cache, or compute and publish it. A stage whose every
-        lookup hit reports `cached`. `entry` names the cache folder when a stage keeps several (calibrate)."""
+        lookup hit reports `cached`. `entry` names the cache folder when a stage keeps several (calibrate). The key
+        holds the versions of the libraries that shape the stage's output (`data`: also those that make its inputs);
+        the entry records the files the stage read, and is served only while they are unchanged."""
         entry = entry or stage
-        key = self.cache.key(entry, {"trtforge": TRTFORGE_VERSION, "code": CODE, **parts})
+        libraries = library_versions(STAGE_LIBRARIES[stage] + (STAGE_LIBRARIES["data"] if data else ()))
+        key = self.cache.key(entry, {"trtforge": TRTFORGE_VERSION, "code": CODE, "libraries": libraries, **parts})
         hit = self.cache.get(entry, key)
         hits = self.stages.setdefault(stage, {}).setdefault("_hits", [])
         hits.append(hit is not None)
         if hit is not None:
             self.stages[stage].setdefault("_origins", []).append(hit.origin or {})
-            return hit
-        self.computed.append((entry, key))
-        return self.cache.run(entry, key, fn, origin=self.origin)
+        else:
+            if (entry, key) in self.cache.stale:  # same config, but a file it read or a library it used changed
+                self.stages[stage]["reason"] = f"recomputed: {self.cache.stale[(entry, key)]} since the cached result"
+            self.computed.append((entry, key))
+            hit = self.cache.run(entry, key, fn, origin=self.origin)
+        self.deps = merge_deps(self.deps, hit.deps)
+        return hit
 
     def run(self, name: str, fn: Callable[["BuildContext"], StageResult | None]) -> StageResult | None:
         """Run one stage: ok / cached / skipped (with reason) / failed; after a failure the rest are skipped."""

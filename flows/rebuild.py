@@ -81,7 +81,8 @@ def rebuild_pass(rebuild_out: str | None = None, tolerance: float | None = None,
         try:
             cfg = compose_config(overrides, config_dir)
             key = build_key(cfg, config_dir)
-            if key == t.get("cache_key"):
+            stale = inputs_changed(run, cfg) if key == t.get("cache_key") else "its config or content changed"
+            if stale is None:
                 report["fresh"].append(item)
                 log(f"fresh    {name}")
                 continue
@@ -106,6 +107,30 @@ def rebuild_pass(rebuild_out: str | None = None, tolerance: float | None = None,
         from tasks.util import write_json
         write_json(rebuild_out, report)
     return report
+
+
+def inputs_changed(run, cfg) -> str | None:
+    """What changed behind an unchanged config since the run built it (a file it read: external weights, a checkpoint,
+    a module; a library it used), from the published summary here or the run's own summary.json; None if nothing."""
+    import tempfile
+
+    from flows.cache import result_dir
+    from tasks.deps import changed
+
+    local = result_dir(cfg) / "summary.json"
+    try:
+        s = json.loads(local.read_text())
+        if s.get("mlflow", {}).get("run_id") != run.info.run_id:
+            raise OSError("another run's result")
+    except (OSError, json.JSONDecodeError):
+        from mlflow.tracking import MlflowClient
+
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                s = json.loads(Path(MlflowClient().download_artifacts(run.info.run_id, "summary.json", tmp)).read_text())
+            except Exception:  # noqa: BLE001 - no summary to check against: rebuild rather than trust
+                return "the run's summary.json cannot be read"
+    return changed(s.get("inputs"))
 
 
 def registry_of(run_id: str | None) -> dict | None:

@@ -160,7 +160,7 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
                                 (lambda i: segment_feeds(model, plan, i, held.feeds)) if held else None, d,
                                 method=c.method, precision=p.name, min_cosine=target, progress=progress)
 
-    q = ctx.cached("calibrate", q_parts, quantize, entry="calibrate-qdq")
+    q = ctx.cached("calibrate", q_parts, quantize, entry="calibrate-qdq", data=True)
     t = ctx.cfg.target
     e_parts = {"qdq": [sha256_file(q.files[f"qdq{s['index']}"]) for s in segs], "profiles": [s["profiles"] for s in segs],
                "build": ctx.c("build"), "backend": ctx.backend.version, "compute_capability": t.compute_capability}
@@ -249,7 +249,7 @@ def validate(ctx: BuildContext) -> StageResult:
                     raise
                 return e.result
 
-    r = ctx.cached("validate", parts, work)
+    r = ctx.cached("validate", parts, work, data=True)
     if r.details.get("left_out"):  # shapes the fp32 model itself fails on: a property of the model, said once
         ctx.warn("validate", r.details["warnings"][0])
     for w in r.details.get("evidence", []):

@@ -150,6 +150,25 @@ def _add_import_paths(search: list[Path] | None) -> None:
             sys.path.insert(0, str(d))
 
 
+def fresh_user_modules(module_name: str, search: list[Path] | None) -> None:
+    """Forget the factory's module and every module loaded from the user's config dir, so that this export imports
+    them as they are now (a long-lived process, e.g. the scheduled rebuild, sees an edited module) and the stage's
+    recording sees the files it reads; the factory module's folder is recorded as read too."""
+    from .deps import note
+
+    roots = [str(Path(d).resolve()) + "/" for d in (search or [])]
+    for name, mod in list(sys.modules.items()):
+        f = getattr(mod, "__file__", None) or ""
+        if name == module_name or name.startswith(module_name + ".") or (roots and f.startswith(tuple(roots))):
+            del sys.modules[name]
+    try:
+        spec = importlib.util.find_spec(module_name) if module_name else None
+    except (ImportError, ValueError):  # the import itself reports it, as a ConfigError
+        spec = None
+    if spec and spec.origin and Path(spec.origin).is_file():
+        note(spec.origin)
+
+
 def onnx_from_torch(model_cfg: Any, profiles: list[dict], out_path: Path, search: list[Path] | None = None) -> str:
     """torch.nn.Module from a zero-argument factory -> ONNX, dims that vary in the profiles exported as dynamic axes."""
     try:
@@ -162,6 +181,7 @@ def onnx_from_torch(model_cfg: Any, profiles: list[dict], out_path: Path, search
     if not mod_name or not fn_name:
         raise ConfigError(f"model.factory={factory!r} is not 'module.path:callable'", fix="e.g. model.factory=mypkg.models:make_net")
     _add_import_paths(search)
+    fresh_user_modules(mod_name, search)
     try:
         fn = getattr(importlib.import_module(mod_name), fn_name)
     except (ImportError, AttributeError) as e:

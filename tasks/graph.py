@@ -10,6 +10,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from .deps import note
 from .errors import ConfigError
 from .models import ONNX_DTYPES, value_dims
 
@@ -18,7 +19,13 @@ def load_onnx(path: Path, key: str = "model.source", load_external_data: bool = 
     """Load and check an ONNX file; a corrupt or unreadable file is a ConfigError naming it. Nodes out of topological
     order (ONNX Runtime and TensorRT accept them; the stages need the order) are sorted."""
     try:
-        model = onnx.load(str(path), load_external_data=load_external_data)
+        model = onnx.load(str(path), load_external_data=False)
+        side = external_data_files(model, Path(path).parent)
+        note(*side)  # onnx reads them in C++: the audit hook cannot see it
+        if side and load_external_data:
+            from onnx.external_data_helper import load_external_data_for_model
+
+            load_external_data_for_model(model, str(Path(path).parent))
     except Exception as e:  # protobuf DecodeError, missing external data, ...
         raise ConfigError(f"{key}: {path} is not a readable ONNX model ({type(e).__name__}: {str(e)[:200]})",
                           file=str(path), fix="re-export the model, or point the key at the right file") from None
@@ -34,6 +41,17 @@ def load_onnx(path: Path, key: str = "model.source", load_external_data: bool = 
             raise ConfigError(f"{key}: {path} fails the ONNX checker: {str(e).splitlines()[0][:300]}", file=str(path),
                               fix="re-export the model with a supported opset") from None
     return model
+
+
+def external_data_files(model: onnx.ModelProto, base: Path) -> list[Path]:
+    """The side files an ONNX model keeps weights in (external data), resolved against its folder."""
+    out = set()
+    for t in model.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            loc = next((e.value for e in t.external_data if e.key == "location"), None)
+            if loc:
+                out.add(base / loc)
+    return sorted(out)
 
 
 def opset_of(model: onnx.ModelProto) -> int:

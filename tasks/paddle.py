@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from .deps import note
 from .errors import ConfigError
 
 SUFFIXES = (".pdmodel", ".json")
@@ -70,6 +71,7 @@ def converted_onnx(model_file: Path, cache_root: Path) -> tuple[Path, str]:
     from .util import sha256_file
 
     params = paddle_files(model_file)
+    note(model_file, params)  # converted in a child process (C++): recorded from the paths it is given
     key = hashlib.sha256(f"{sha256_file(model_file)}{sha256_file(params)}{sha256_file(Path(__file__))}".encode()).hexdigest()[:24]
     final = cache_root / key
     if not (final / "model.onnx").is_file():

@@ -128,7 +128,6 @@ class PartitionConfig:
 class BuildConfig:
     optimization_level: int = 3
     workspace_mib: Optional[int] = None
-    timing_cache: bool = True
 
 
 @dataclass

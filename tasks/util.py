@@ -18,6 +18,7 @@ class StageResult:
     metrics: dict[str, float] = field(default_factory=dict)
     details: dict[str, Any] = field(default_factory=dict)
     origin: dict[str, Any] | None = None  # when, on what host and in which run a cached result was computed
+    deps: dict[str, Any] = field(default_factory=dict)  # files it read, libraries it used (tasks.deps.Recorder.record)
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
