@@ -27,7 +27,7 @@ from flows.cache import (StageCache, build_key, new_result_dir, named_lock, publ
 from flows.cli import expand_overrides, parse_args, print_stage, print_summary  # noqa: E402
 from flows.config import compose_config, flat_params, preflight  # noqa: E402
 from flows.sweep import jobs, run_sweep  # noqa: E402
-from tasks.errors import TrtforgeError  # noqa: E402
+from tasks.errors import TrtforgeError, cause  # noqa: E402
 from tasks.report import write_report  # noqa: E402
 from tasks.util import write_json  # noqa: E402
 
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # a bug or an environment failure (e.g. the tracking store): short, then non-zero
             if os.environ.get("TRTFORGE_TRACEBACK"):
                 raise
-            print(f"trtforge: internal error: {type(e).__name__}: {str(e)[:500]}\n"
+            print(f"trtforge: internal error: {type(e).__name__}: {cause(e)}\n"
                   "  fix: rerun with TRTFORGE_TRACEBACK=1 for the traceback and report it", file=sys.stderr)
             code = max(code, 1)
     return code

@@ -86,7 +86,7 @@ def print_summary(summary: dict, seconds: float) -> None:
     head = f"{summary['model']} → {summary['target']} {summary['precision']}"
     c.print(f"[bold]{head}: {'[green]ok[/]' if ok else '[red]failed[/]'}[/] in {seconds:.1f}s")
     if not ok and summary.get("error"):
-        c.print(f"  {summary['error'].splitlines()[0][:300]}", markup=False, style="red")
+        c.print(f"  {summary['error'].splitlines()[0]}", markup=False, style="red")
         for line in summary["error"].splitlines()[1:]:
             c.print(f"  {line.strip()}", markup=False)
     for e in summary["engines"]:

@@ -105,7 +105,7 @@ def build(ctx: BuildContext) -> StageResult:
         ctx.results["partition"] = plan
         ctx.metrics.update(plan.metrics)
         ctx.stages["partition"]["note"] = (
-            f"re-planned after the TensorRT build failed ({e.message[:200]}): {', '.join(replan[1])} nodes run in "
+            f"re-planned after the TensorRT build failed ({e.message}): {', '.join(replan[1])} nodes run in "
             f"ONNX Runtime (partition.control_flow_fallback=true)")
         return _build_engines(ctx)
 

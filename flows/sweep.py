@@ -16,7 +16,7 @@ from typing import Callable
 
 from flows.cache import build_key
 from flows.config import compose_config, preflight
-from tasks.errors import TrtforgeError
+from tasks.errors import TrtforgeError, cause
 
 
 def jobs(n: int) -> int:
@@ -32,7 +32,7 @@ def _worker_build(run_build: Callable, overrides: list[str], config_dir: str | N
     except TrtforgeError as e:
         return {"error": e.render(), "exit_code": e.exit_code, "overrides": overrides}
     except Exception as e:  # a bug or an environment failure: short, non-zero
-        return {"error": f"internal error: {type(e).__name__}: {str(e)[:500]}", "exit_code": 1, "overrides": overrides}
+        return {"error": f"internal error: {type(e).__name__}: {cause(e)}", "exit_code": 1, "overrides": overrides}
 
 
 def run_sweep(combos: list[list[str]], config_dir: str | None, report: Callable[[dict], None],

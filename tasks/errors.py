@@ -1,6 +1,8 @@
 """One exception family. Every message says what is wrong, where, and how to fix it (Polygraphy's rule)."""
 from __future__ import annotations
 
+import re
+
 
 class TrtforgeError(Exception):
     """Base class of every error trtforge reports to a user."""
@@ -15,14 +17,12 @@ class TrtforgeError(Exception):
         super().__init__(self.render())
 
     def render(self) -> str:
-        where = []
-        if self.stage:
-            where.append(f"[{self.stage}]")
-        if self.file:
-            where.append(f"{self.file}:")
-        text = " ".join(where + [self.message])
+        """The cause first, then how to fix it, then where (a file path can be long): nothing is cut."""
+        text = f"[{self.stage}] {self.message}" if self.stage else self.message
         if self.fix:
             text += f"\n  fix: {self.fix}"
+        if self.file:
+            text += f"\n  in: {self.file}"
         return text
 
 
@@ -46,3 +46,17 @@ class UnavailableError(TrtforgeError):
     """What the build needs does not exist on this host (a GPU of the target's architecture, a backend)."""
 
     exit_code = 3
+
+
+# a host without a GPU is expected: the CUDA runtime's complaints about it are no part of any cause
+NOISE = re.compile(r"cudaError|CUDA initialization failure|no CUDA-capable device|CUDA driver version is insufficient|"
+                   r"cuInit|cudaGetDevice|checkMacros\.cpp::catchCudaError")
+ORT_PREFIX = re.compile(r"^\[ONNXRuntimeError\]\s*:\s*\d+\s*:\s*\w+\s*:\s*")
+
+
+def cause(e: BaseException | str) -> str:
+    """The words of a library error that say what went wrong: its lines without CUDA-without-a-GPU noise, ONNX
+    Runtime's "[ONNXRuntimeError] : 1 : FAIL :" prefix dropped, joined; never cut."""
+    text = str(e).strip() or (type(e).__name__ if isinstance(e, BaseException) else "")
+    lines = [ORT_PREFIX.sub("", ln.strip()) for ln in text.splitlines() if ln.strip() and not NOISE.search(ln)]
+    return " ".join(lines) if len(lines) <= 3 else " ".join(lines[:3]) + f" (+{len(lines) - 3} lines)"

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, StageError
+from .errors import ConfigError, StageError, cause
 from .models import graph_io, resolve_source
 from .util import StageResult, sha256_file, write_json
 
@@ -100,12 +100,13 @@ def sanitize(model) -> tuple[Any, list[str]]:
     """Make a graph TensorRT and the later stages can rely on.
 
     - legacy IR < 4 models (every initializer also a graph input) move to IR 4: initializers are weights only;
+      models newer than the installed ONNX Runtime loads (IR 14 from onnx 1.23's defaults) move down to its newest IR;
     - Constant nodes become initializers (constant folding of what is stored as nodes);
     - symbolic dims that repeat inside one input (PP-OCR cls names H and W both '?') get distinct names,
       because TensorRT reads a shared name as one dimension and refuses non-square profiles;
     - shape inference fills in value_info for the later precision passes.
     """
-    from .graph import drop_initializer_inputs, fold_constants
+    from .graph import drop_initializer_inputs, fold_constants, lower_ir
 
     notes: list[str] = []
     g = model.graph
@@ -113,6 +114,9 @@ def sanitize(model) -> tuple[Any, list[str]]:
     dropped = drop_initializer_inputs(model)
     if dropped:
         notes.append(f"IR {ir} -> {model.ir_version}: {dropped} initializers no longer listed as graph inputs")
+    lowered = lower_ir(model)
+    if lowered:
+        notes.append(lowered)
     folded = fold_constants(g)
     if folded:
         notes.append(f"{folded} Constant nodes folded into initializers")
@@ -230,6 +234,6 @@ def onnx_from_torch(model_cfg: Any, profiles: list[dict], out_path: Path, search
                 torch.onnx.export(module, tuple(args), str(out_path), **kwargs)
             return f"torch.onnx.export(dynamo={dynamo})"
         except Exception as e:  # fall back to the legacy exporter
-            errors.append(f"dynamo={dynamo}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+            errors.append(f"dynamo={dynamo}: {type(e).__name__}: {cause(e)}")
     raise StageError("torch.onnx.export failed: " + " | ".join(errors), stage="export", file=factory,
                      fix="check that forward() runs on the example inputs in model.inputs")

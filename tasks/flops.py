@@ -96,7 +96,7 @@ def _network(path: Path, profile: dict, backend):
     """Parse the ONNX file with its dynamic inputs fixed at the profile's opt shape (same parser and flags as build)."""
     import onnx
 
-    from .errors import StageError
+    from .errors import StageError, cause
 
     trt = backend.trt
     model = onnx.load(str(path), load_external_data=False)
@@ -109,7 +109,7 @@ def _network(path: Path, profile: dict, backend):
     logger = trt.Logger(trt.Logger.ERROR)
     builder, network, parser = backend.parser(logger)
     if not parser.parse(model.SerializeToString(), str(path)):
-        errs = "; ".join(parser.get_error(i).desc() for i in range(parser.num_errors))[:300]
+        errs = "; ".join(cause(parser.get_error(i).desc()) for i in range(parser.num_errors))
         raise StageError(f"the precision profile could not parse the graph at the opt shape: {errs}",
                          stage="build", file=str(path), fix="check the optimization profile's opt shapes")
     return network, (builder, parser, logger)

@@ -3,6 +3,7 @@ conversion, pre-quantized rewrites, calibration): who makes and reads a value, f
 nodes, constant folding, topological order, binding inputs and folding what that decides."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -11,7 +12,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from .deps import note
-from .errors import ConfigError
+from .errors import ConfigError, cause
 from .models import ONNX_DTYPES, value_dims
 
 
@@ -27,7 +28,7 @@ def load_onnx(path: Path, key: str = "model.source", load_external_data: bool = 
 
             load_external_data_for_model(model, str(Path(path).parent))
     except Exception as e:  # protobuf DecodeError, missing external data, ...
-        raise ConfigError(f"{key}: {path} is not a readable ONNX model ({type(e).__name__}: {str(e)[:200]})",
+        raise ConfigError(f"{key}: {path} is not a readable ONNX model ({type(e).__name__}: {cause(e)})",
                           file=str(path), fix="re-export the model, or point the key at the right file") from None
     if not model.graph.node:
         raise ConfigError(f"{key}: {path} has an empty graph", file=str(path), fix="re-export the model")
@@ -38,7 +39,7 @@ def load_onnx(path: Path, key: str = "model.source", load_external_data: bool = 
         except Exception as e:
             if first and "topologically sorted" in str(e) and toposort(model.graph):
                 continue
-            raise ConfigError(f"{key}: {path} fails the ONNX checker: {str(e).splitlines()[0][:300]}", file=str(path),
+            raise ConfigError(f"{key}: {path} fails the ONNX checker: {cause(e)}", file=str(path),
                               fix="re-export the model with a supported opset") from None
     return model
 
@@ -131,6 +132,43 @@ def drop_initializer_inputs(model: onnx.ModelProto) -> int:
     g.input.extend(keep)
     model.ir_version = max(4, helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True))
     return dropped
+
+
+@functools.lru_cache(maxsize=1)
+def runtime_max_ir() -> int:
+    """The newest ONNX IR version the installed ONNX Runtime loads (probed once with an Identity model)."""
+    import onnxruntime as ort
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe", [x],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    for ir in range(onnx.IR_VERSION, 3, -1):
+        m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+        m.ir_version = ir
+        try:
+            ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+            return ir
+        except Exception:  # noqa: BLE001 - too new for this runtime: try the next older IR
+            continue
+    return 3
+
+
+def lower_ir(model: onnx.ModelProto) -> str | None:
+    """A model written with a newer IR than ONNX Runtime loads (onnx 1.23's make_model writes IR 14; ONNX Runtime 1.31
+    loads <= 13) gets the newest IR the runtime loads, when its opsets allow it (onnx.helper.VERSION_TABLE): the same
+    graph. Returns the note, or None when nothing changed; a ConfigError when the opsets need the newer IR."""
+    top = runtime_max_ir()
+    if model.ir_version <= top:
+        return None
+    need = helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True)
+    if need > top:
+        opsets = ", ".join(f"{o.domain or 'ai.onnx'} {o.version}" for o in model.opset_import)
+        raise ConfigError(f"the model needs ONNX IR {need} for its opsets ({opsets}), newer than the IR {top} the "
+                          "installed ONNX Runtime loads", fix="export the model at an older opset, or upgrade onnxruntime")
+    old, model.ir_version = model.ir_version, top
+    return f"IR {old} -> {top}: the newest the installed ONNX Runtime loads (its opsets need IR {need})"
 
 
 def fold_constants(g: onnx.GraphProto) -> int:

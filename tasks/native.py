@@ -13,10 +13,9 @@ import sys
 import tempfile
 from typing import Iterator
 
-NOISE = re.compile(
-    r"cudaError|CUDA initialization failure|Padding mode|Pre-padding|Post-padding|^Layer\(|"
-    r"no CUDA-capable device|CUDA driver version is insufficient|cuInit|cudaGetDevice",
-)
+from .errors import NOISE as CUDA_NOISE
+
+NOISE = re.compile(CUDA_NOISE.pattern + r"|Padding mode|Pre-padding|Post-padding|^Layer\(")
 
 
 class Captured:

@@ -9,7 +9,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from .errors import StageError
+from .errors import StageError, cause
 
 # graph optimization levels: "all" = ONNX Runtime's default; "basic" = no fusions into integer kernels (its full
 # optimisation fuses Q/DQ into QLinearConv, which has no float8 kernel); "none" = the graph exactly as written (Q/DQ
@@ -40,7 +40,7 @@ def ort_session(model: Path | bytes, *, optimization: str = "all", threads: int 
                                     providers=["CPUExecutionProvider"])
     except Exception as e:
         where = file or (None if isinstance(model, bytes) else str(model))
-        raise StageError(f"ONNX Runtime cannot load the model: {first_line(e)}", stage=stage, file=where) from e
+        raise StageError(f"ONNX Runtime cannot load the model: {cause(e)}", stage=stage, file=where) from e
 
 
 def ort_run(session, feed: dict[str, np.ndarray], stage: str = "validate") -> dict[str, np.ndarray]:
@@ -50,21 +50,13 @@ def ort_run(session, feed: dict[str, np.ndarray], stage: str = "validate") -> di
         return dict(zip(names, session.run(names, feed)))
     except Exception as e:
         shapes = {k: list(v.shape) for k, v in feed.items()}
-        raise StageError(f"ONNX Runtime failed on inputs {shapes}: {first_line(e)}", stage=stage) from e
+        raise StageError(f"ONNX Runtime failed on inputs {shapes}: {cause(e)}", stage=stage) from e
 
 
 def ort_runner(model: Path | bytes, optimization: str = "all", stage: str = "validate") -> Callable:
     """feed -> {output: array}, for one model."""
     sess = ort_session(model, optimization=optimization, stage=stage)
     return lambda feed: ort_run(sess, feed, stage=stage)
-
-
-def first_line(e: Exception) -> str:
-    """An exception's first line, ONNX Runtime's "[ONNXRuntimeError] : N : KIND :" prefix dropped: the cause."""
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    if text.startswith("[ONNXRuntimeError]"):
-        text = text.split(":", 3)[-1].strip() or text
-    return text
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from .deps import note
-from .errors import ConfigError
+from .errors import ConfigError, cause
 
 SUFFIXES = (".pdmodel", ".json")
 LEGACY_DIR = Path(sys.prefix) / "paddle2onnx-1.3.1"  # `make paddle` installs paddle2onnx 1.3.1 here (--target)
@@ -107,7 +107,7 @@ def onnx_from_paddle(model_file: Path, out_path: Path) -> dict:
     if proc.returncode != 0 or not out_path.is_file() or out_path.stat().st_size == 0:
         tail = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
         why = next((ln for ln in reversed(tail) if "rror" in ln), tail[-1] if tail else f"exit status {proc.returncode}")
-        raise ConfigError(f"paddle2onnx could not convert {model_file.name}: {why[:300]}", file=str(model_file),
+        raise ConfigError(f"paddle2onnx could not convert {model_file.name}: {cause(why)}", file=str(model_file),
                           fix="check it is a Paddle inference model (saved with paddle.jit.save / save_inference_model) "
                               "with its own .pdiparams; an op paddle2onnx lacks needs a newer paddle2onnx")
     _load_check(out_path, model_file)
@@ -137,7 +137,7 @@ def _load_check(path: Path, model_file: Path) -> None:
         ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     except Exception as e:
         raise ConfigError(f"paddle2onnx converted {model_file.name} into ONNX that ONNX Runtime refuses: "
-                          f"{str(e).splitlines()[0][:300]}", file=str(model_file),
+                          f"{cause(e)}", file=str(model_file),
                           fix="a Paddle 2.x program converts with paddle2onnx 1.3.1: give the legacy inference.pdmodel "
                               "(`make paddle` installs it)") from None
 

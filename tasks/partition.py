@@ -14,7 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .backend import Backend
-from .errors import StageError
+from .errors import StageError, cause
 from .segments import Segment, boundary_names, extract_segment, segments_from_assignment, shape_ranges
 from .util import StageResult, write_json
 
@@ -145,7 +145,7 @@ def _shape_ranges(model, names: list[str], feeds: list, onnx_path: Path) -> dict
         return shape_ranges(model, names, feeds)
     except Exception as e:
         raise StageError(f"the model cannot run in ONNX Runtime either, where the nodes TensorRT cannot take would run: "
-                         f"{str(e).splitlines()[0][:300]}", stage="partition", file=str(onnx_path),
+                         f"{cause(e)}", stage="partition", file=str(onnx_path),
                          fix="register the custom op's ONNX Runtime library, or replace the op") from None
 
 

@@ -25,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-from .errors import StageError
+from .errors import StageError, cause
 from .qdq import QUANT_OPS, RESIDUAL_OPS, quantized_activations
 
 STAGE = "calibrate"
@@ -107,7 +107,7 @@ def _calibrate(model_path: Path, feeds, method: str, work: Path, on_sample=None)
     except Exception as e:
         shapes = sorted({str({k: list(v.shape) for k, v in f.items()}) for f in feeds})[:4]
         raise StageError(f"calibration ({method}) failed on feeds {', '.join(shapes)}: {type(e).__name__}: "
-                         f"{str(e).splitlines()[0][:300] if str(e) else ''}", stage=STAGE, file=str(model_path),
+                         f"{cause(e)}", stage=STAGE, file=str(model_path),
                          fix="check that the feeds match the model's inputs") from e
 
 

@@ -83,3 +83,27 @@ def test_nodes_out_of_topological_order_are_sorted_not_refused(tmp_path):
     x = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
     run = lambda mm: ort.InferenceSession(mm.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]  # noqa: E731
     np.testing.assert_allclose(run(m), run(raw), rtol=1e-6)
+
+
+def test_a_model_written_with_todays_onnx_defaults_is_lowered_to_the_ir_onnx_runtime_loads(tmp_path):
+    """onnx 1.23's make_model writes IR 14; ONNX Runtime 1.31 loads IR <= 13: the same graph at the newest IR it loads."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from tasks.graph import runtime_max_ir
+    from tasks.ort import ort_run, ort_session
+
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((4, 3, 3, 3)).astype(np.float32), "w")
+    g = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])], "new",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, 8, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4, 8, 8])], initializer=[w])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    assert m.ir_version == onnx.IR_VERSION > runtime_max_ir()  # what a user gets today
+    onnx.save(m, str(tmp_path / "new.onnx"))
+    r = onnx_from_model({"format": "onnx", "source": str(tmp_path / "new.onnx")}, [], tmp_path / "out" / "m.onnx")
+    out = onnx.load(str(r.files["onnx"]))
+    assert out.ir_version == runtime_max_ir()
+    assert any(n.startswith(f"IR {onnx.IR_VERSION} -> {runtime_max_ir()}") for n in r.details["sanitize"])
+    x = np.ones((2, 3, 8, 8), np.float32)
+    assert ort_run(ort_session(r.files["onnx"]), {"x": x})["y"].shape == (2, 4, 8, 8)
