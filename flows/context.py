@@ -26,7 +26,8 @@ def _code_fingerprint() -> str:
     TASK_SOURCE policy)."""
     h = hashlib.sha256()
     here = Path(__file__).resolve()
-    files = sorted(here.parents[1].joinpath("tasks").glob("*.py")) + [here, here.with_name("stages.py")]
+    files = sorted(here.parents[1].joinpath("tasks").glob("*.py")) + [here, here.with_name("stages.py"),
+                                                                      here.with_name("runners.py")]
     for f in files:
         h.update(f.name.encode())
         h.update(f.read_bytes())

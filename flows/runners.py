@@ -20,6 +20,7 @@ def candidate_runner(ctx: BuildContext, runners: contextlib.ExitStack | None = N
                      cuda_graph: bool = False):
     """The model as it will run: per TensorRT segment the engine (with `runners`: on a GPU, closed with it) or its
     precision graph in ONNX Runtime, the native segments of a hybrid model in ONNX Runtime between them."""
+    from tasks.emulate import precision_runner
     from tasks.ort import ort_runner
     from tasks.runtime import EngineRunner, runtime_cache_file
     from tasks.segments import composed_runner
@@ -27,15 +28,18 @@ def candidate_runner(ctx: BuildContext, runners: contextlib.ExitStack | None = N
     by_segment = {i: (eng, onnx) for i, eng, onnx in engines_of(deliverable(ctx))}
     cache = runtime_cache_file(ctx.cfg.cache_dir, ctx.cfg.target.name, ctx.backend.version)
 
+    hybrid = bool(ctx.results["partition"].details.get("hybrid"))  # many sessions: no memory arena each
+
     def runner_for(seg: dict):
         if seg["kind"] != "trt":
-            return ort_runner(ctx.results["partition"].files[f"segment{seg['index']}"])
+            return ort_runner(ctx.results["partition"].files[f"segment{seg['index']}"], arena=not hybrid)
         eng, onnx = by_segment[seg["index"]]
         if runners is not None:
             return runners.enter_context(EngineRunner(Path(eng).read_bytes(), ctx.backend, runtime_cache=cache,
                                                       cuda_graph=cuda_graph, stage=stage)).infer
-        # ORT's full optimisation fuses Q/DQ into kernels that have no float8 version
-        return ort_runner(onnx, optimization="basic" if ctx.cfg.precision.name == "fp8" else "all")
+        # ORT's full optimisation fuses Q/DQ into kernels that have no float8 version; fp16 values rounded as TensorRT
+        # stores them (tasks/emulate.py: ONNX Runtime's CPU kernels would compute most fp16 ops in fp32)
+        return precision_runner(onnx, "basic" if ctx.cfg.precision.name == "fp8" else "all", arena=not hybrid)[0]
 
     outputs = [o["name"] for o in ctx.results["export"].details["outputs"]]
     return composed_runner(ctx.results["partition"].details, outputs, runner_for)

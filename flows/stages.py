@@ -112,16 +112,28 @@ def build(ctx: BuildContext) -> StageResult:
 
 def _build_engines(ctx: BuildContext) -> StageResult:
     from tasks.build import add_metrics, as_baseline, onnx_at_precision
+    from tasks.graph import load_onnx
+    from tasks.precision import fp32_nodes_from_data
+    from tasks.segments import segment_feeds
 
     t = ctx.cfg.target
     # a model that carries its own quantization is built as it is (its Q/DQ in int8, the rest fp32)
     precision, label = ("fp32", ctx.cfg.precision.name) if prequantized(ctx) else (ctx.cfg.precision.baseline,) * 2
     segs = trt_segments(ctx)
+    # fp16: what the user's data holds decides which nodes stay fp32 (values beyond fp16's safe range)
+    ranged = (ctx.data.calibration or ctx.data.validation) if precision == "fp16" else None
     parts = {"segments": [(sha256_file(s["onnx"]), s["profiles"]) for s in segs], "precision": precision, "label": label,
-             "build": ctx.c("build"), "backend": ctx.backend.version, "compute_capability": t.compute_capability}
+             "build": ctx.c("build"), "backend": ctx.backend.version, "compute_capability": t.compute_capability,
+             "range_data": ranged.key if ranged else None}
+
+    def keep_fp32(seg: dict) -> dict:  # values beyond fp16's safe range on what this segment sees of the data
+        return fp32_nodes_from_data(load_onnx(seg["onnx"]), segment_feeds(
+            ctx.results["export"].files["onnx"], ctx.results["partition"].details, seg["index"], ranged.feeds),
+            ctx.cfg.build.fp16_data_max)
 
     def work(d: Path) -> StageResult:
-        convs = {s["index"]: onnx_at_precision(s["onnx"], precision, d / f"{stem(ctx, label, s)}.onnx") for s in segs}
+        convs = {s["index"]: onnx_at_precision(s["onnx"], precision, d / f"{ctx.cfg.model.name}.{t.name}.{label}{s['name']}.onnx",
+                                               keep_fp32(s) if ranged else None) for s in segs}
         r = engines_for(ctx, segs, {i: c.files["onnx"] for i, c in convs.items()}, label, precision, d, "build")
         for i, c in convs.items():
             r.files[f"onnx{i}"] = c.files["onnx"]
@@ -129,7 +141,14 @@ def _build_engines(ctx: BuildContext) -> StageResult:
         r.details.update(conversion=[c.details for c in convs.values()], precision=precision)
         return r
 
-    r = ctx.cached("build", parts, work)
+    r = ctx.cached("build", parts, work, data=ranged is not None)
+    if ranged is not None and ranged.kind == "random":
+        ctx.warn("build", "the fp16 range check (which nodes stay fp32) ran on random inputs inside the profiles: give "
+                          "calibration.data or validation.data at the model's real input scale")
+    kept = sum(len(c.get("data_range") or {}) for c in r.details.get("conversion", []))
+    if kept:
+        ctx.warn("build", f"{kept} nodes kept in fp32: their values exceed fp16's safe range (|x| > "
+                          f"build.fp16_data_max={ctx.cfg.build.fp16_data_max:g}) on {ranged.source}")
     if ctx.cfg.precision.quantized and not prequantized(ctx):  # the entry is shared with the fp16/fp32 build
         r = StageResult(files=r.files, metrics=as_baseline(r.metrics), details=r.details, origin=r.origin)
     return r
@@ -151,14 +170,16 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
     segs, plan, model = trt_segments(ctx), ctx.results["partition"].details, ctx.results["export"].files["onnx"]
     target = search_target(ctx.cfg.accuracy.min_cosine, c.budget_margin) if c.search else None
     q_parts = {"segments": [sha256_file(s["onnx"]) for s in segs], "calibration": cal.key,
-               "search": held.key if held else None, "method": c.method, "precision": p.name, "min_cosine": target}
+               "search": held.key if held else None, "method": c.method, "precision": p.name, "min_cosine": target,
+               "fp16_data_max": ctx.cfg.build.fp16_data_max}
 
     def quantize(d: Path) -> StageResult:
         def progress(seg: int):
             return sample_progress(f"calibrating ({c.method or 'default method'}, segment {seg})", ctx.show_progress)
         return qdq_for_segments(segs, lambda i: segment_feeds(model, plan, i, cal.feeds),
                                 (lambda i: segment_feeds(model, plan, i, held.feeds)) if held else None, d,
-                                method=c.method, precision=p.name, min_cosine=target, progress=progress)
+                                method=c.method, precision=p.name, min_cosine=target, progress=progress,
+                                data_max=ctx.cfg.build.fp16_data_max)
 
     q = ctx.cached("calibrate", q_parts, quantize, entry="calibrate-qdq", data=True)
     t = ctx.cfg.target
@@ -175,35 +196,14 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
     return StageResult(files=files, metrics={**q.metrics, **e.metrics}, details=details)
 
 
-def stem(ctx: BuildContext, label: str, seg: dict) -> str:
-    """File name stem of a segment's graph and engine: <model>.<target>.<label>[.sg<i>]."""
-    return f"{ctx.cfg.model.name}.{ctx.cfg.target.name}.{label}{seg['name']}"
-
-
 def engines_for(ctx: BuildContext, segs: list[dict], graphs: dict[int, Path], label: str, precision: str, d: Path,
                 stage: str) -> StageResult:
-    """One engine per TensorRT segment from its graph (`graphs`: segment index -> ONNX), with the precision profile
-    of what was built (`flops_share`); build_seconds/engine_bytes summed over the segments."""
-    from tasks.build import SHIPPED_METRICS, add_metrics, engine_from_onnx
-    from tasks.flops import precision_profile
+    from tasks.build import engines_for_segments
 
     t = ctx.cfg.target
-    files, metrics, details = {}, {}, {"engines": [], "backend": ctx.backend.version,
-                                       "compute_capability": t.compute_capability}
-    for s in segs:
-        eng = engine_from_onnx(graphs[s["index"]], d / f"{stem(ctx, label, s)}.engine", s["profiles"],
-                               t.compute_capability, ctx.c("build"), ctx.backend, show_progress=ctx.show_progress,
-                               stage=stage)
-        files[f"engine{s['index']}"] = eng.files["engine"]
-        add_metrics(metrics, eng.metrics, SHIPPED_METRICS)
-        details["engines"].append({"segment": s["index"], "engine": eng.files["engine"].name,
-                                   "onnx": Path(graphs[s["index"]]).name, "sha256": eng.details["sha256"]})
-    prof = precision_profile([graphs[s["index"]] for s in segs], [s["profiles"] for s in segs], ctx.backend, d,
-                             f"{ctx.cfg.model.name} {t.name} {precision}")
-    files.update(prof.files)
-    metrics.update(prof.metrics)
-    details["precision_profile"] = prof.details
-    return StageResult(files=files, metrics=metrics, details=details)
+    return engines_for_segments(segs, graphs, f"{ctx.cfg.model.name}.{t.name}.{label}", t.compute_capability,
+                                ctx.c("build"), ctx.backend, d, stage, f"{ctx.cfg.model.name} {t.name} {precision}",
+                                ctx.show_progress)
 
 
 def validate(ctx: BuildContext) -> StageResult:

@@ -45,8 +45,9 @@ def same_graph(a: Path, b: Path) -> bool:
     return not external and ga.SerializeToString(deterministic=True) == gb.SerializeToString(deterministic=True)
 
 
-def onnx_at_precision(fp32_path: Path, precision: str, out_path: Path) -> StageResult:
-    """Precision is a property of the graph (strongly typed networks): fp32 as is, fp16 converted."""
+def onnx_at_precision(fp32_path: Path, precision: str, out_path: Path, keep_fp32: dict[str, float] | None = None) -> StageResult:
+    """Precision is a property of the graph (strongly typed networks): fp32 as is, fp16 converted (``keep_fp32``: values
+    whose nodes stay fp32, tasks.precision.fp32_nodes_from_data)."""
     t0 = time.perf_counter()
     if precision == "fp32":
         shutil.copyfile(fp32_path, out_path)
@@ -60,7 +61,7 @@ def onnx_at_precision(fp32_path: Path, precision: str, out_path: Path) -> StageR
     from .precision import fp16_from_onnx
 
     try:
-        model, stats = fp16_from_onnx(onnx.load(str(fp32_path)))
+        model, stats = fp16_from_onnx(onnx.load(str(fp32_path)), keep_fp32)
     except Exception as e:
         raise StageError(f"fp16 conversion failed: {type(e).__name__}: {e}", stage="build", file=str(fp32_path)) from e
     save_onnx(model, out_path)
@@ -92,3 +93,26 @@ def engine_from_onnx(onnx_path: Path, engine_path: Path, profiles: list[dict], c
         details={"sha256": sha256_file(engine_path), "backend": backend.version, "compute_capability": compute_capability,
                  "native_log": captured.meaningful[-50:]},
     )
+
+
+def engines_for_segments(segments: list[dict], graphs: dict[int, Path], stem: str, compute_capability: str,
+                         build_cfg: Any, backend: Backend, out_dir: Path, stage: str, title: str,
+                         show_progress: bool = True) -> StageResult:
+    """One engine per TensorRT segment from its graph (`graphs`: segment index -> ONNX), named `<stem>[.sg<i>].engine`,
+    with the precision profile of what was built (`flops_share`); build_seconds/engine_bytes summed over segments."""
+    from .flops import precision_profile
+
+    files, metrics, details = {}, {}, {"engines": [], "backend": backend.version, "compute_capability": compute_capability}
+    for s in segments:
+        eng = engine_from_onnx(graphs[s["index"]], out_dir / f"{stem}{s['name']}.engine", s["profiles"],
+                               compute_capability, build_cfg, backend, show_progress=show_progress, stage=stage)
+        files[f"engine{s['index']}"] = eng.files["engine"]
+        add_metrics(metrics, eng.metrics, SHIPPED_METRICS)
+        details["engines"].append({"segment": s["index"], "engine": eng.files["engine"].name,
+                                   "onnx": Path(graphs[s["index"]]).name, "sha256": eng.details["sha256"]})
+    prof = precision_profile([graphs[s["index"]] for s in segments], [s["profiles"] for s in segments], backend,
+                             out_dir, title)
+    files.update(prof.files)
+    metrics.update(prof.metrics)
+    details["precision_profile"] = prof.details
+    return StageResult(files=files, metrics=metrics, details=details)

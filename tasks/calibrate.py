@@ -25,6 +25,7 @@ from .graph import fold_constants, fp32_from_fp16, opset_of, uniquify_node_names
 from .inputs import batch_size
 from .metrics import worst_feed_cosine
 from .ort import ort_runner, quiet_python_logging
+from .precision import DATA_MAX, fp32_nodes_from_data
 from .qdq import PRECISIONS, QUANT_OPS, Quantizer
 from .ranges import DEFAULT_METHOD, METHODS, alternative_ranges, ranges_from_feeds, save_ranges
 from .search import budget_search
@@ -46,7 +47,8 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
                   workdir: Path | None = None,
                   on_sample: Callable[[int, int], None] | None = None,
                   high_precision: str = "fp16",
-                  no_layers_ok: bool = False) -> StageResult:
+                  no_layers_ok: bool = False,
+                  data_max: float = DATA_MAX) -> StageResult:
     """Quantize ``fp32_path`` to a Q/DQ graph at ``out_path``, within ``min_cosine`` if given.
 
     ``feeds`` calibrate the ranges (one input dict per sample, shapes may differ); candidates are scored against the
@@ -88,7 +90,9 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
         calibration_seconds = time.perf_counter() - t_cal
 
         t_search = time.perf_counter()
-        q = Quantizer(prepared, ranges, precision, high_precision)
+        # the float remainder in fp16, except where the calibration data's values leave fp16's range
+        keep = fp32_nodes_from_data(onnx_model(prepared), feeds, data_max) if high_precision == "fp16" else {}
+        q = Quantizer(prepared, ranges, precision, high_precision, keep)
         layers = q.layers
         if not layers and not no_layers_ok:
             raise StageError(f"the model has no {'/'.join(QUANT_OPS)} node to quantize", stage=STAGE,
@@ -168,6 +172,7 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
                 "cosine_high_precision": cos_none,  # the graph without Q/DQ (measured when the budget searched)
                 "cosine_note": None if cos_all is not None else f"not measurable with ONNX Runtime CPU: {q.run_error}",
                 "prepare": prep_info,
+                "fp32_by_data_range": keep,  # value -> max |x| on the calibration data (their nodes stay fp32)
                 "sensitivity": sensitivity,
                 "fallback": fallback,
                 "quantized": list(chosen),
@@ -178,7 +183,8 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
 def qdq_for_segments(segments: list[dict], feeds_for: Callable[[int], list[Feed]],
                      search_feeds_for: Callable[[int], list[Feed]] | None, out_dir: Path, *, method: str | None,
                      precision: str, min_cosine: float | None,
-                     progress: Callable[[int], contextlib.AbstractContextManager] | None = None) -> StageResult:
+                     progress: Callable[[int], contextlib.AbstractContextManager] | None = None,
+                     data_max: float = DATA_MAX) -> StageResult:
     """``qdq_from_onnx`` for each TensorRT segment of a model (``segments``: index, onnx), each on what that segment
     sees of the calibration and search samples; the layer counts summed, each search cosine the lowest segment's
     (absent when no segment measured it), and the sensitivity report of all. A segment without a layer to quantize
@@ -191,7 +197,8 @@ def qdq_for_segments(segments: list[dict], feeds_for: Callable[[int], list[Feed]
         with (progress(i) if progress else contextlib.nullcontext()) as on_sample:
             r = qdq_from_onnx(s["onnx"], feeds_for(i), out_dir / f"qdq{i}.onnx", method=method, precision=precision,
                               min_cosine=min_cosine, eval_feeds=search_feeds_for(i) if search_feeds_for else None,
-                              workdir=out_dir / f"work{i}", on_sample=on_sample, no_layers_ok=len(segments) > 1)
+                              workdir=out_dir / f"work{i}", on_sample=on_sample, no_layers_ok=len(segments) > 1,
+                              data_max=data_max)
         files[f"qdq{i}"] = r.files["onnx"]
         for k in ("quantized_layers", "fallback_layers"):
             metrics[k] += r.metrics[k]
@@ -220,6 +227,12 @@ def _check_arguments(method: str, precision: str, feeds: list, high_precision: s
                           fix=f"use one of {', '.join(HIGH_PRECISIONS)}")
     if min_cosine is not None and not 0.0 < float(min_cosine) <= 1.0:
         raise ConfigError(f"min_cosine={min_cosine} is outside (0, 1]", stage=STAGE, fix="use e.g. 0.99, or None")
+
+
+def onnx_model(path: Path):
+    import onnx
+
+    return onnx.load(str(path))
 
 
 def _prepare(src: Path, dst: Path, feeds: list[Feed], ref: list[dict]) -> tuple[Path, dict]:

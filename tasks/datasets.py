@@ -38,7 +38,7 @@ Feed = dict[str, np.ndarray]
 HOLD_OUT_SHARE = 0.25  # of the user's samples, for validation, and again for the search
 MAX_VALIDATION = 64  # samples held out for validation at most
 MAX_SEARCH = 8  # samples held out for the accuracy search at most (each candidate runs on all of them)
-SEARCH_RANDOM_SHAPES = 3  # generated search set: min, opt and this many random shapes, shrunk to the opt size
+SEARCH_RANDOM_SHAPES = 5  # generated search set: min, opt, max and this many random shapes (8 samples, as MAX_SEARCH)
 MIN_EVIDENCE = 5  # a validation on fewer samples says its evidence is thin
 
 

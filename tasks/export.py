@@ -99,7 +99,8 @@ def save_onnx(model, path: Path) -> None:
 def sanitize(model) -> tuple[Any, list[str]]:
     """Make a graph TensorRT and the later stages can rely on.
 
-    - legacy IR < 4 models (every initializer also a graph input) move to IR 4: initializers are weights only;
+    - initializers also listed as graph inputs (every legacy IR < 4 model, older exporters at any IR) become weights
+      only, and IR < 4 models move to IR 4;
       models newer than the installed ONNX Runtime loads (IR 14 from onnx 1.23's defaults) move down to its newest IR;
     - Constant nodes become initializers (constant folding of what is stored as nodes);
     - symbolic dims that repeat inside one input (PP-OCR cls names H and W both '?') get distinct names,
@@ -113,7 +114,8 @@ def sanitize(model) -> tuple[Any, list[str]]:
     ir = model.ir_version
     dropped = drop_initializer_inputs(model)
     if dropped:
-        notes.append(f"IR {ir} -> {model.ir_version}: {dropped} initializers no longer listed as graph inputs")
+        moved = f"IR {ir} -> {model.ir_version}: " if model.ir_version != ir else ""
+        notes.append(f"{moved}{dropped} initializers no longer listed as graph inputs (weights, as TensorRT takes them)")
     lowered = lower_ir(model)
     if lowered:
         notes.append(lowered)

@@ -116,21 +116,22 @@ def name_allocator(g: onnx.GraphProto) -> Callable[[str], str]:
 
 
 def drop_initializer_inputs(model: onnx.ModelProto) -> int:
-    """IR < 4 -> IR 4: initializers stop being graph inputs too; returns how many inputs were dropped.
+    """Initializers that are also listed as graph inputs become weights only; returns how many inputs were dropped.
+    IR < 4 models move to IR 4 (before IR 4 every initializer had to be listed as an input).
 
-    Before IR 4 every initializer had to be listed as a graph input (a default a caller could override). The fp16
-    converter retypes initializers but not those input entries, which ONNX Runtime then refuses ("Tensor element
-    type mismatch"); TensorRT and the later stages treat them as weights anyway. Models at IR >= 4 are left alone.
-    """
-    if model.ir_version >= 4:
-        return 0
+    Such an input is a default a caller could override (older exporters list every weight so, at any IR); TensorRT
+    and the later stages treat them as weights anyway, and the fp16 converter retypes the initializer but not its
+    input entry, which ONNX Runtime then refuses ("initializer ... has element type float16 but usage of initializer in
+    graph expects float")."""
     g = model.graph
     inits = {t.name for t in g.initializer}
     keep = [i for i in g.input if i.name not in inits]
     dropped = len(g.input) - len(keep)
-    del g.input[:]
-    g.input.extend(keep)
-    model.ir_version = max(4, helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True))
+    if dropped:
+        del g.input[:]
+        g.input.extend(keep)
+    if model.ir_version < 4:
+        model.ir_version = max(4, helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True))
     return dropped
 
 

@@ -18,10 +18,11 @@ OPTIMIZATION = ("all", "basic", "none")
 
 
 def ort_session(model: Path | bytes, *, optimization: str = "all", threads: int = 0, spinning: bool = False,
-                stage: str = "validate", file: str | None = None):
+                arena: bool = True, stage: str = "validate", file: str | None = None):
     """A CPU session for an ONNX file (or serialized model bytes). Idle worker threads do not busy-wait unless
     `spinning` (benchmark: ONNX Runtime's default, for its latency); ORT's own printing is quiet, errors come back as a
-    StageError with ONNX Runtime's reason first."""
+    StageError with ONNX Runtime's reason first. ``arena=False``: no CPU memory arena (it keeps the peak of every run
+    per session: a hybrid model composed of a few hundred segment sessions held ~12 GB that way)."""
     import onnxruntime as ort
 
     if optimization not in OPTIMIZATION:
@@ -31,6 +32,7 @@ def ort_session(model: Path | bytes, *, optimization: str = "all", threads: int 
                                    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
                                    "none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL}[optimization]
     so.log_severity_level = 4
+    so.enable_cpu_mem_arena = arena
     if not spinning:
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if threads:
@@ -53,9 +55,9 @@ def ort_run(session, feed: dict[str, np.ndarray], stage: str = "validate") -> di
         raise StageError(f"ONNX Runtime failed on inputs {shapes}: {cause(e)}", stage=stage) from e
 
 
-def ort_runner(model: Path | bytes, optimization: str = "all", stage: str = "validate") -> Callable:
+def ort_runner(model: Path | bytes, optimization: str = "all", stage: str = "validate", arena: bool = True) -> Callable:
     """feed -> {output: array}, for one model."""
-    sess = ort_session(model, optimization=optimization, stage=stage)
+    sess = ort_session(model, optimization=optimization, stage=stage, arena=arena)
     return lambda feed: ort_run(sess, feed, stage=stage)
 
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from .errors import StageError
 from .graph import prune_unused
-from .ort import ort_runner
+from .emulate import precision_runner
 from .precision import fp16_from_onnx
 
 STAGE = "calibrate"
@@ -44,7 +44,8 @@ class Quantizer:
     pairs per consumer), without re-running the quantizer for every candidate of the budget search.
     """
 
-    def __init__(self, model_path: Path, ranges, precision: str, high_precision: str = "fp16"):
+    def __init__(self, model_path: Path, ranges, precision: str, high_precision: str = "fp16",
+                 keep_fp32: dict[str, float] | None = None):
         from onnx import numpy_helper
         from onnxruntime.quantization.quant_utils import QuantType, load_model_with_shape_infer, update_opset_version
 
@@ -53,6 +54,7 @@ class Quantizer:
         self.ranges = ranges
         self.precision = precision
         self.high_precision = high_precision
+        self.keep_fp32 = dict(keep_fp32 or {})  # values beyond fp16's range on the calibration data: their nodes stay fp32
         self.base = update_opset_version(load_model_with_shape_infer(Path(model_path)), qt, qt)  # fp8: opset 19
         self._weights = {t.name: t for t in self.base.graph.initializer}
         self._fp8_weights: dict[tuple[str, int | None], tuple[np.ndarray, np.ndarray]] = {}
@@ -84,7 +86,7 @@ class Quantizer:
         """The graph that ships: the Q/DQ graph of ``names`` with every other op at ``high_precision``."""
         m = self.qdq(names)
         if self.high_precision == "fp16":
-            m, _ = fp16_from_onnx(m)  # it sorts the graph first (ORT's quantizer appends its Q/DQ nodes)
+            m, _ = fp16_from_onnx(m, self.keep_fp32)  # it sorts the graph first (ORT's quantizer appends its Q/DQ nodes)
         return m
 
     def qdq(self, names: list[str]):
@@ -195,8 +197,7 @@ class Quantizer:
         if self.run_error is not None:
             return None
         try:
-            run = ort_runner(self.model(names).SerializeToString(),
-                             optimization="basic" if self.precision == "fp8" else "all", stage=STAGE)
+            run = precision_runner(self.model(names), "basic" if self.precision == "fp8" else "all", stage=STAGE)[0]
             return [run(f) for f in feeds]
         except StageError as e:
             if self.precision == "int8":

@@ -178,7 +178,8 @@ def sensitivity_report(segments: list[dict], d: Path) -> dict[str, Path]:
     rows = [{"segment": s["segment"], **r, "kept_high_precision": r["node"] in set(s.get("fallback", []))}
             for s in segments for r in s.get("sensitivity", [])]
     files = {"sensitivity": write_json(d / "sensitivity.json", {"layers": rows, "segments": [
-        {k: s.get(k) for k in ("segment", "method", "range_choice", "precision", "quantized", "fallback", "min_cosine")}
+        {k: s.get(k) for k in ("segment", "method", "range_choice", "precision", "quantized", "fallback", "min_cosine",
+                               "fp32_by_data_range", "search_set")}
         for s in segments]})}
     if rows:
         plt = _pyplot()

@@ -128,6 +128,8 @@ class PartitionConfig:
 class BuildConfig:
     optimization_level: int = 3
     workspace_mib: Optional[int] = None
+    # fp16 (and int8/fp8's fp16 remainder): a node whose values on the data exceed this magnitude stays fp32
+    fp16_data_max: float = 32768.0
 
 
 @dataclass

@@ -275,3 +275,36 @@ def make_if_model(path: Path) -> Path:
 @pytest.fixture(scope="session")
 def if_onnx(session_tmp) -> Path:
     return make_if_model(session_tmp / "if_model.onnx")
+
+
+def make_audio_power_model(path: Path) -> Path:
+    """A mel-spectrogram-like front end: x[N,1,T] (audio at 16-bit sample scale) -> Conv1d (a filter bank) -> Mul(c, c)
+    (power) -> Add(eps) -> Log -> Conv1d -> y. On real-scale audio the filter outputs exceed fp16's range (~1e5) and the
+    power ~1e10: a naive fp16 graph gives inf; on random values in [0, 1) nothing overflows."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(7)
+    w1 = numpy_helper.from_array((rng.standard_normal((8, 1, 9)) * 0.5).astype(np.float32), "fb")
+    w2 = numpy_helper.from_array((rng.standard_normal((4, 8, 1)) * 0.3).astype(np.float32), "proj")
+    eps = numpy_helper.from_array(np.array(1e-6, np.float32), "eps")
+    nodes = [helper.make_node("Conv", ["x", "fb"], ["bank"], pads=[4, 4], name="filterbank"),
+             helper.make_node("Mul", ["bank", "bank"], ["power"], name="power"),
+             helper.make_node("Add", ["power", "eps"], ["power_eps"], name="floor"),
+             helper.make_node("Log", ["power_eps"], ["logmel"], name="log"),
+             helper.make_node("Conv", ["logmel", "proj"], ["y"], name="proj")]
+    g = helper.make_graph(nodes, "mel", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 1, "t"])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4, "t"])], initializer=[w1, w2, eps])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    import onnx
+    onnx.save(m, str(path))
+    return path
+
+
+def audio_16bit(n: int, t: int = 256, seed: int = 0) -> np.ndarray:
+    """Speech-like audio at the scale a 16-bit front end is fed (sample values up to ~+-20000)."""
+    rng = np.random.default_rng(seed)
+    k = np.arange(t)
+    x = [np.sin(2 * np.pi * rng.uniform(0.01, 0.2) * k) * rng.uniform(5000, 20000) + rng.normal(0, 300, t)
+         for _ in range(n)]
+    return np.asarray(x, np.float32)[:, None, :]

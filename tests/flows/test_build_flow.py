@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from flows.config import compose_config
@@ -404,3 +405,35 @@ def test_two_input_encoder_validates_on_shapes_where_both_inputs_agree(prefect_h
     assert "random inputs inside the profiles" in s["verdict"]  # thin evidence, said where a user reads it
     client = mlflow_client()
     assert "random" in client.get_run(s["mlflow"]["run_id"]).data.tags["validation.data"]
+
+
+@pytest.fixture(scope="module")
+def mel_conf(tmp_path_factory):
+    """A mel-spectrogram-like front end and audio at the 16-bit scale its package feeds it."""
+    from tests.conftest import audio_16bit, make_audio_power_model
+
+    d = tmp_path_factory.mktemp("melconf")
+    (d / "model").mkdir()
+    make_audio_power_model(d / "mel.onnx")
+    np.savez(d / "audio.npz", x=audio_16bit(16, seed=3))  # 16 clips, samples along axis 0
+    (d / "model" / "mel.yaml").write_text(
+        f"name: mel\nsource: {d / 'mel.onnx'}\n"
+        "profiles:\n  - x: {min: [1, 1, 256], opt: [4, 1, 256], max: [8, 1, 256]}\n")
+    return d
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int8"])
+def test_values_beyond_fp16s_range_on_the_users_data_stay_fp32(prefect_harness, mel_conf, tmp_path, precision):
+    """fp16 passed on random inputs in [0, 1) and int8 failed with 'the fp16 graph without any Q/DQ already gives
+    cosine 0' on real-scale audio. Judged on the data the user gave, the overflowing nodes stay fp32 (also in int8's
+    float remainder), the fp16 build is validated on that data, and the emulation rounds fp16 as TensorRT stores it."""
+    s = build(["model=mel", f"precision={precision}", f"calibration.data={mel_conf / 'audio.npz'}",
+               "stages.benchmark=false"], mel_conf, tmp_path)
+    assert s["status"] == "ok", s.get("error")
+    assert s["metrics"]["cosine_min"] >= 0.99 and "audio.npz" in s["data"]["validation"]["source"]
+    assert s["metrics"]["flops_share"]["fp32"] > 0  # the filter bank and the power in fp32
+    if precision == "fp16":
+        assert any("kept in fp32: their values exceed fp16's safe range" in w for w in s["stages"]["build"]["warnings"])
+    else:
+        q = json.loads((Path(s["out_dir"]) / "sensitivity.json").read_text())
+        assert q["segments"][0]["fp32_by_data_range"]

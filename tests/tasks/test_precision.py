@@ -642,3 +642,69 @@ def test_a_model_converted_before_keeps_unique_names(tmp_path):
     y = ort.InferenceSession(h.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     ref = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     np.testing.assert_allclose(y, ref, atol=1e-2)
+
+
+def test_an_initializer_also_listed_as_an_input_feeding_a_blocked_and_a_converted_node_converts(tmp_path):
+    """An older exporter's face detector (IR 4, initializers also graph inputs): a scale both a BatchNormalization (kept
+    fp32) and a Mul (converted) read. ONNX Runtime refused the fp16 graph ("initializer ... has element type float16
+    but usage of initializer in graph expects float") until the input entries went."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from tasks.build import onnx_at_precision
+    from tasks.export import onnx_from_model
+
+    rng = np.random.default_rng(0)
+    c = 4
+    inits = {"w": rng.standard_normal((c, 3, 3, 3)).astype(np.float32) * 0.3,
+             "scale": (rng.random(c) + 0.5).astype(np.float32), "bias": np.zeros(c, np.float32),
+             "mean": np.zeros(c, np.float32), "var": np.ones(c, np.float32)}
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("BatchNormalization", ["c", "scale", "bias", "mean", "var"], ["bn"]),
+             helper.make_node("Unsqueeze", ["scale"], ["s3"], axes=[1, 2]),
+             helper.make_node("Mul", ["bn", "s3"], ["y"])]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, 8, 8])] + \
+        [helper.make_tensor_value_info(k, TensorProto.FLOAT, list(v.shape)) for k, v in inits.items()]
+    g = helper.make_graph(nodes, "old", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", c, 8, 8])],
+                          initializer=[numpy_helper.from_array(v, k) for k, v in inits.items()])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 9)])
+    m.ir_version = 4
+    onnx.save(m, str(tmp_path / "old.onnx"))
+    r = onnx_from_model({"format": "onnx", "source": str(tmp_path / "old.onnx")}, [], tmp_path / "m.onnx")
+    assert any("initializers no longer listed as graph inputs" in n for n in r.details["sanitize"])
+    fp16 = onnx_at_precision(r.files["onnx"], "fp16", tmp_path / "m16.onnx").files["onnx"]
+    x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
+    sess = ort.InferenceSession(str(fp16), providers=["CPUExecutionProvider"])  # refused before
+    ref = ort.InferenceSession(str(tmp_path / "old.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert _cosine(ref, sess.run(None, {"x": x})[0]) >= MIN_COSINE
+
+
+def test_values_beyond_fp16s_range_on_the_data_keep_their_nodes_fp32(tmp_path):
+    """A mel front end fed audio at 16-bit scale: naive fp16 overflows (inf); judged on the data, the filter bank and
+    the power stay fp32 and the fp16 graph matches fp32. On random values in [0, 1) nothing would have overflowed."""
+    import onnxruntime as ort
+
+    from tasks.build import onnx_at_precision
+    from tasks.emulate import fp16_rounded
+    from tasks.precision import fp32_nodes_from_data
+    from tests.conftest import audio_16bit, make_audio_power_model
+
+    path = make_audio_power_model(tmp_path / "mel.onnx")
+    x = audio_16bit(4)
+    keep = fp32_nodes_from_data(onnx.load(str(path)), [{"x": x[:2]}, {"x": x[2:]}])
+    assert {"x", "bank", "power", "power_eps"} <= set(keep) and "logmel" not in keep, keep
+    assert fp32_nodes_from_data(onnx.load(str(path)), [{"x": np.random.default_rng(0).random((2, 1, 256), np.float32)}]) == {}
+
+    ref = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+    def emulated(p):  # ONNX Runtime's own CPU execution computes these fp16 ops in fp32: it would hide the overflow
+        return ort.InferenceSession(fp16_rounded(onnx.load(str(p))).SerializeToString(),
+                                    providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    naive = onnx_at_precision(path, "fp16", tmp_path / "naive.onnx").files["onnx"]
+    plain = ort.InferenceSession(str(naive), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert _cosine(ref, plain) > 0.9999  # ONNX Runtime alone: looks fine
+    out = emulated(naive)
+    assert not np.isfinite(out).all() or _cosine(ref, out) < 0.9  # what TensorRT would compute: inf
+    r = onnx_at_precision(path, "fp16", tmp_path / "ranged.onnx", keep)
+    assert {"filterbank", "power", "log"} <= set(r.details["data_range"]), r.details["data_range"]
+    assert _cosine(ref, emulated(r.files["onnx"])) >= MIN_COSINE

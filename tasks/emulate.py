@@ -1,0 +1,98 @@
+"""A faithful CPU emulation of an fp16 graph: every fp16 value rounded to fp16, arithmetic in fp32.
+
+ONNX Runtime's CPU provider has no fp16 kernel for most ops: it wraps them in casts to fp32 and back, and drops the
+casts between two such ops, so a chain of fp16 ops runs in fp32 end to end. Values that overflow fp16 (a power
+spectrum of 16-bit audio: ~1e10) or lose precision in it never do, and an fp16 graph validates as if it were fp32
+(measured: a mel front end whose naive fp16 graph TensorRT would compute as inf gave cosine 0.999999 in ONNX Runtime).
+
+``fp16_rounded`` rewrites the graph in fp32 with an explicit Cast to fp16 and back after every op whose output was
+fp16 (ONNX Runtime keeps explicit round trips: they change values), fp16 weights as their exact fp32 values, and the
+graph's fp16 inputs and outputs kept fp16 at the border. This is what TensorRT's strongly typed fp16 network stores
+between layers; inside a layer TensorRT may accumulate in fp32, as the emulation does.
+"""
+from __future__ import annotations
+
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from .graph import name_allocator, subgraphs
+
+H, F = TensorProto.FLOAT16, TensorProto.FLOAT
+
+
+def has_fp16(model: onnx.ModelProto) -> bool:
+    g = model.graph
+    return any(t.data_type == H for t in g.initializer) or \
+        any(a.name == "to" and a.i == H for n in g.node if n.op_type == "Cast" for a in n.attribute) or \
+        any(v.type.tensor_type.elem_type == H for v in (*g.input, *g.output, *g.value_info))
+
+
+def fp16_rounded(model: onnx.ModelProto) -> onnx.ModelProto | None:
+    """The fp32 graph that rounds like the fp16 one (see the module doc); None when the graph has control-flow
+    subgraphs (their bodies would need the same rewrite: not emulated, ONNX Runtime's own execution is used)."""
+    if any(subgraphs(n) for n in model.graph.node):
+        return None
+    m = onnx.shape_inference.infer_shapes(model)
+    g = m.graph
+    fp16 = {v.name for v in (*g.value_info, *g.output) if v.type.tensor_type.elem_type == H}
+    for n in g.node:  # what the producers say, where inference left a value untyped
+        if n.op_type == "Cast" and any(a.name == "to" and a.i == H for a in n.attribute):
+            fp16.add(n.output[0])
+    fresh = name_allocator(g)
+
+    for i, t in enumerate(g.initializer):  # fp16 weights: their exact values, in fp32
+        if t.data_type == H:
+            g.initializer[i].CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype("float32"), t.name))
+    for v in g.value_info:
+        if v.type.tensor_type.elem_type == H:
+            v.type.tensor_type.elem_type = F
+
+    nodes = []
+    for inp in g.input:  # an fp16 input stays fp16 at the border; inside, its fp32 copy
+        if inp.type.tensor_type.elem_type == H:
+            inner = fresh(inp.name + "_emul_f32")
+            for n in g.node:
+                n.input[:] = [inner if x == inp.name else x for x in n.input]
+            nodes.append(helper.make_node("Cast", [inp.name], [inner], to=F, name=fresh(inner + "_cast")))
+    outputs16 = {o.name for o in g.output if o.type.tensor_type.elem_type == H}
+    renamed: dict[str, str] = {}
+    for n in g.node:
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.TENSOR and a.t.data_type == H:  # Constant, ConstantOfShape values
+                a.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(a.t).astype("float32"), a.t.name))
+            elif a.name in ("to", "dtype") and a.type == onnx.AttributeProto.INT and a.i == H:
+                a.i = F  # computes in fp32; the rounding below makes it fp16's value
+        nodes.append(n)
+        for k, out in enumerate(n.output):
+            if out not in fp16:
+                continue
+            raw, half = fresh(out + "_emul_raw"), fresh(out + "_emul_f16")
+            n.output[k] = raw
+            nodes.append(helper.make_node("Cast", [raw], [half], to=H, name=fresh(half + "_round")))
+            back = out if out not in outputs16 else fresh(out + "_emul_f32")
+            nodes.append(helper.make_node("Cast", [half], [back], to=F, name=fresh(out + "_back")))
+            if out in outputs16:  # an fp16 graph output: the fp16 value itself; other readers take the fp32 copy
+                nodes.append(helper.make_node("Identity", [half], [out], name=fresh(out + "_out")))
+                renamed[out] = back
+    for n in nodes:
+        if not n.name.endswith("_out") or n.op_type != "Identity":
+            n.input[:] = [renamed.get(x, x) for x in n.input]
+    del g.node[:]
+    g.node.extend(nodes)
+    return m
+
+
+def precision_runner(path, optimization: str = "all", arena: bool = True, stage: str = "validate"):
+    """(feed -> outputs, how) for a precision graph in ONNX Runtime: an fp16 graph through ``fp16_rounded`` (what
+    TensorRT stores between layers), any other graph as it is."""
+    from .ort import ort_runner
+
+    model = onnx.load(str(path)) if not isinstance(path, onnx.ModelProto) else path
+    if not has_fp16(model):
+        return ort_runner(model.SerializeToString(), optimization, stage, arena), "as written"
+    rounded = fp16_rounded(model)
+    if rounded is None:
+        return ort_runner(model.SerializeToString(), optimization, stage, arena), \
+            "ONNX Runtime's own fp16 execution (control-flow subgraphs: not rounded; it computes many fp16 ops in fp32)"
+    return ort_runner(rounded.SerializeToString(), optimization, stage, arena), \
+        "every fp16 value rounded to fp16 after each op, arithmetic in fp32"
