@@ -27,6 +27,7 @@ from flows.cache import (StageCache, build_key, new_result_dir, named_lock, publ
 from flows.cli import expand_overrides, parse_args, print_stage, print_summary  # noqa: E402
 from flows.config import compose_config, flat_params, preflight  # noqa: E402
 from flows.sweep import jobs, run_sweep  # noqa: E402
+from flows.tracking import end_run, run_matches  # noqa: E402
 from tasks.errors import TrtforgeError, cause  # noqa: E402
 from tasks.report import write_report  # noqa: E402
 from tasks.util import write_json  # noqa: E402
@@ -93,17 +94,20 @@ def publish(ctx: BuildContext) -> dict:
     summary["inputs"] = ctx.deps  # every file the stages read and library they used: an up-to-date answer checks them
     write_json(tmp / "summary.json", summary)
     write_report(tmp)
+    run = None
     try:
         run = track(experiment=cfg.experiment, summary=dict(summary), params=flat_params(cfg), resolved_yaml=resolved,
                     out_dir=tmp, engine_files=[tmp / e["file"] for e in summary["engines"]], versions=summary["versions"],
                     build_id=ctx.identity.build_id, provenance={"config_dir": ctx.identity.config_dir,
                                                                 "overrides": ctx.identity.overrides},
-                    tolerance=ctx.identity.tolerance)
+                    tolerance=ctx.identity.tolerance, started=ctx.identity.started)
         summary["mlflow"] = run
         write_json(tmp / "summary.json", summary)  # with its run: what the up-to-date check compares
         publish_dir(tmp, final)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if run is not None:  # logged, but the result did not make it: the run says so
+            end_run(run["run_id"], ok=False, failure=e)
         raise
     if ok:  # a stale failure report beside a good result would mislead
         remove_result(final.with_name(final.name + ".failed"))
@@ -149,11 +153,14 @@ def versions(ctx: BuildContext) -> dict[str, str]:
 # --- running builds ---------------------------------------------------------------------------------------------
 
 def run_build(cfg: DictConfig, config_dir: str | None = None, show_progress: bool = True,
-              on_stage=None, overrides: list[str] | None = None, tolerance: float | None = None) -> dict:
+              on_stage=None, overrides: list[str] | None = None, tolerance: float | None = None,
+              started: float | None = None) -> dict:
     """The published result when it is up to date (no server, no new run); else validate the whole config and run
     the flow. Raises ConfigError on bad input, found before the flow or by a
     stage (no run is created), UnavailableError when this host cannot build the target. `overrides` and `config_dir` are recorded in the
-    run, so a scheduled rebuild can re-resolve the config; `tolerance`: see flows.registry.register_engines."""
+    run, so a scheduled rebuild can re-resolve the config; `tolerance`: see flows.registry.register_engines.
+    `started` (epoch seconds, default now): when the build began, the start of its MLflow run."""
+    started = time.time() if started is None else started
     key = build_key(cfg, config_dir)
     done = up_to_date(cfg, key)
     if done is None:
@@ -162,7 +169,7 @@ def run_build(cfg: DictConfig, config_dir: str | None = None, show_progress: boo
             done = up_to_date(cfg, key)
             if done is None:
                 identity = BuildIdentity(
-                    cache_key=key, build_id=uuid.uuid4().hex, tolerance=tolerance,
+                    cache_key=key, build_id=uuid.uuid4().hex, tolerance=tolerance, started=started,
                     config_dir=str(Path(config_dir).expanduser().resolve()) if config_dir else "",
                     overrides=json.dumps(list(overrides) if overrides is not None else None))
                 ctx = BuildContext(cfg=cfg, inputs=preflight(cfg, config_dir), identity=identity,
@@ -171,6 +178,8 @@ def run_build(cfg: DictConfig, config_dir: str | None = None, show_progress: boo
                 summary = build_flow(ctx, run_name=name)
                 if summary is None:  # bad input found by a stage: nothing published or tracked
                     raise ctx.error
+                # published and registered, the flow done: only now is the run ok and FINISHED, ending with the build
+                end_run(summary["mlflow"]["run_id"], ok=summary["status"] == "ok")
                 return summary
     if on_stage:
         for name, entry in done["stages"].items():
@@ -184,8 +193,6 @@ def up_to_date(cfg: DictConfig, key: str) -> dict | None:
     """The published ok result of a build with this key whose MLflow run is in the tracking store, its stages
     marked `cached` (and from when); None when there is work to do."""
     from datetime import datetime, timezone
-
-    from flows.tracking import run_matches
 
     s = published(cfg, key)
     run = run_matches(s["mlflow"]["run_id"], key) if s else None
@@ -222,9 +229,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.cfg:
                 print(OmegaConf.to_yaml(cfg))
                 continue
-            t0 = time.perf_counter()
+            t0, started = time.perf_counter(), time.time()
             summary = run_build(cfg, args.config_dir, show_progress=sys.stderr.isatty(), on_stage=print_stage,
-                                overrides=overrides)
+                                overrides=overrides, started=started)
             if summary.get("up_to_date"):
                 print(f"up to date: the published result and its MLflow run match the inputs (built "
                       f"{summary['up_to_date']}); nothing to do")

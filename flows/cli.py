@@ -107,7 +107,9 @@ def print_summary(summary: dict, seconds: float) -> None:
     run = summary.get("mlflow") or {}
     if run:
         c.print(f"  mlflow   run {run['run_id']} in {run['tracking_uri']}")
-        c.print(f"           make ui → http://127.0.0.1:5000/#/experiments/{run['experiment_id']}/runs/{run['run_id']}")
+        from flows.tracking import ui_link
+
+        c.print(f"           make ui → {ui_link('http://127.0.0.1:5000', run['experiment_id'], run['run_id'])}")
 
 
 def accuracy_source(summary: dict) -> str:

@@ -58,6 +58,7 @@ class BuildIdentity:
     config_dir: str = ""
     overrides: str = "null"  # JSON list of the overrides
     tolerance: float | None = None  # rebuild: how much worse than the last good version a new one may validate
+    started: float | None = None  # when the build began (epoch seconds): the MLflow run's start time
 
 
 class Skip(Exception):

@@ -25,7 +25,8 @@ def register_engines(client, run, summary: dict, cache_key: str, backend: str,
 
     With `tolerance` set (scheduled rebuilds), the alias stays where it is when the new engine validates worse than
     the current one by more than the tolerance (lower `cosine_min`); the version is still registered, and the
-    returned dict says why it was not promoted."""
+    returned dict says why it was not promoted. A run that has a version already (a retried tracking step) keeps
+    that one: one version per run."""
     from mlflow.exceptions import MlflowException
 
     name = summary["model"]
@@ -41,7 +42,9 @@ def register_engines(client, run, summary: dict, cache_key: str, backend: str,
             "engines": ",".join(e["file"] for e in summary["engines"])}
     if cosine is not None:
         tags["cosine_min"] = repr(float(cosine))
-    mv = client.create_model_version(name, source=f"{run.info.artifact_uri}/engine", run_id=run.info.run_id, tags=tags)
+    done = client.search_model_versions(f"name = '{name}' and run_id = '{run.info.run_id}'")
+    mv = done[0] if done else \
+        client.create_model_version(name, source=f"{run.info.artifact_uri}/engine", run_id=run.info.run_id, tags=tags)
     alias = alias_for(summary["target"], summary["precision"])
     out: dict[str, Any] = {"name": name, "version": int(mv.version), "alias": alias, "promoted": True}
     if tolerance is not None:

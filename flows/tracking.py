@@ -21,6 +21,19 @@ def artifact_location(uri: str) -> str | None:
     return None
 
 
+# MLflow 3's UI opens experiments in its GenAI view (traces, an assistant pane). The experiment tag marks ours as model
+# development; MLflow 3.17's UI takes the view from the `workflowType` URL parameter (else the browser's last choice,
+# GenAI at first), so every link trtforge prints carries it (ui_link).
+EXPERIMENT_KIND, MODEL_DEVELOPMENT = "mlflow.experimentKind", "custom_model_development"
+WORKFLOW = "workflowType=machine_learning"
+
+
+def ui_link(base: str, experiment_id: str, run_id: str | None = None) -> str:
+    """The MLflow UI address of an experiment (or a run), opening in the model-training view."""
+    path = f"#/experiments/{experiment_id}" + (f"/runs/{run_id}" if run_id else "")
+    return f"{base.rstrip('/')}/{path}?{WORKFLOW}"
+
+
 def use_experiment(name: str) -> str:
     """Point MLflow at the tracking store and the experiment `name`, creating it when missing; returns the URI."""
     import mlflow
@@ -32,8 +45,11 @@ def use_experiment(name: str) -> str:
     mlflow.set_tracking_uri(uri)
     # the first use of a store creates its tables: builds running in parallel take turns (else half-migrated reads)
     with named_lock(Path(uri), "mlflow-store"):
-        if mlflow.get_experiment_by_name(name) is None:
-            mlflow.create_experiment(name, artifact_location=artifact_location(uri))
+        exp = mlflow.get_experiment_by_name(name)
+        if exp is None:
+            mlflow.create_experiment(name, artifact_location=artifact_location(uri), tags={EXPERIMENT_KIND: MODEL_DEVELOPMENT})
+        elif exp.tags.get(EXPERIMENT_KIND) != MODEL_DEVELOPMENT:  # an experiment made before: the same view
+            mlflow.MlflowClient(uri).set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND, MODEL_DEVELOPMENT)
     mlflow.set_experiment(name)
     return uri
 
@@ -107,82 +123,126 @@ def _rest_run(uri: str, run_id: str) -> dict | None:
             "tags": {t["key"]: t["value"] for t in run.get("data", {}).get("tags", [])}}
 
 
+LEASE_SECONDS = 900  # a RUNNING run whose build has not reported for this long (on any host) was killed
+
+
 def end_orphans(experiment_id: str) -> list[str]:
-    """Runs left RUNNING by a build process of this host that no longer exists (killed): end them FAILED."""
+    """Runs left RUNNING by a build that died (killed) end FAILED: on this host when its process is gone, on any host
+    sharing the tracking store when its heartbeat (`trtforge.heartbeat`, ms, renewed while it logs) is older than
+    LEASE_SECONDS."""
+    import time
+
     from flows.cache import _alive
 
     c = client()
-    host = socket.gethostname()
+    host, now = socket.gethostname(), time.time() * 1000
     ended = []
     for run in c.search_runs([experiment_id], "attributes.status = 'RUNNING'", max_results=200):
         t = run.data.tags
-        if t.get("trtforge.host") == host and t.get("trtforge.pid", "").isdigit() and not _alive(int(t["trtforge.pid"])):
+        beat = float(t.get("trtforge.heartbeat") or run.info.start_time or now)
+        dead_here = t.get("trtforge.host") == host and t.get("trtforge.pid", "").isdigit() and not _alive(int(t["trtforge.pid"]))
+        if dead_here or now - beat > LEASE_SECONDS * 1000:
+            why = "killed" if dead_here else f"no word from host {t.get('trtforge.host', '?')} for {LEASE_SECONDS} s"
             c.set_tag(run.info.run_id, "status", "failed")
-            c.set_tag(run.info.run_id, "failure", "the build process ended before the run was complete (killed)")
+            c.set_tag(run.info.run_id, "failure", f"the build process ended before the run was complete ({why})")
             c.set_terminated(run.info.run_id, status="FAILED")
             ended.append(run.info.run_id)
     return ended
 
 
+def end_run(run_id: str, ok: bool, failure: BaseException | str | None = None) -> None:
+    """The last word on a build's run, once its result is published (or not): the `status` tag, then the run ended
+    FINISHED or FAILED with this moment as its end time."""
+    import time
+
+    from tasks.errors import cause
+
+    c = client()
+    if failure is not None:
+        c.set_tag(run_id, "failure", f"tracking failed: {type(failure).__name__}: {cause(failure)}"[:5000]
+                  if isinstance(failure, BaseException) else str(failure)[:5000])
+    c.set_tag(run_id, "status", "ok" if ok and failure is None else "failed")
+    c.set_terminated(run_id, status="FINISHED" if ok and failure is None else "FAILED", end_time=int(time.time() * 1000))
+
+
 def log_build(*, experiment: str, summary: dict, params: dict[str, str], resolved_yaml: str, out_dir: Path,
               engine_files: list[Path], versions: dict[str, str], build_id: str, provenance: dict[str, str],
-              tolerance: float | None = None) -> dict[str, str]:
-    """Log a finished build. The `status` tag is written last, so a run is never marked ok before it is whole.
-    A retry of the same build (same `build_id`) continues its run instead of starting another."""
-    import mlflow
+              tolerance: float | None = None, started: float | None = None) -> dict[str, str]:
+    """Log a finished build as a run that spans it: created with the build's start time (`started`, epoch seconds).
+    Everything is logged first, then the engines are registered; the caller publishes the result and then ends the
+    run (`end_run`: the `status` tag and FINISHED/FAILED with the build's end time), so a run is never `ok` or FINISHED
+    before its engines are published and its registry version exists. A failure here ends it FAILED with the reason.
+    A retry of the same build (same `build_id`) continues its run and reuses a version already registered for it."""
+    import time
+
+    from mlflow.entities import Metric, Param, RunTag
 
     uri = use_experiment(experiment)
-    exp = mlflow.set_experiment(experiment)
+    c = client()
+    exp = c.get_experiment_by_name(experiment)
     end_orphans(exp.experiment_id)
     name = f"{summary['model']}-{summary['target']}-{summary['precision']}"
     ok = summary["status"] == "ok"
-    again = client().search_runs([exp.experiment_id], f"tags.`trtforge.build_id` = '{build_id}'", max_results=1)
-    # who is logging, set as the run is created: a build killed at any later moment leaves a run end_orphans can end
-    owner = {"trtforge.build_id": build_id, "trtforge.pid": str(os.getpid()), "trtforge.host": socket.gethostname()}
-    with mlflow.start_run(run_id=again[0].info.run_id) if again else mlflow.start_run(run_name=name, tags=owner) as run:
-        try:
-            mlflow.set_tags({"model": summary["model"], "target": summary["target"], "precision": summary["precision"],
-                             **owner, "cache_key": summary["cache_key"],
-                             **{f"trtforge.{k}": v for k, v in provenance.items()},
-                             **{f"version.{k}": v for k, v in versions.items()}})
-            mlflow.log_params(params)
-            for key, d in summary.get("data", {}).items():  # what calibrated, judged the search, validated
-                mlflow.set_tag(f"{key}.data", f"{d.get('samples')} samples: {d.get('source', '')}"[:5000])
-            mlflow.set_tags({k: v for k, v in summary.get("metrics", {}).items() if isinstance(v, str)})
-            from flows.context import origin_text  # a cached stage's numbers were measured by another run: say which
-            mlflow.set_tags({f"cached_from.{stage}": origin_text(s["cached_from"])
-                             for stage, s in summary["stages"].items() if s.get("cached_from")})
-            flat = {}
-            for k, v in summary.get("metrics", {}).items():  # dicts of numbers (flops_share) as "flops_share.fp16"
-                flat.update({f"{k}.{kk}": vv for kk, vv in v.items()} if isinstance(v, dict) else {k: v})
-            metrics = {k: float(v) for k, v in flat.items()
-                       if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(float(v)) != float("inf")}
-            for stage, s in summary["stages"].items():
-                if s.get("seconds") is not None:
-                    metrics[f"stage_seconds.{stage}"] = float(s["seconds"])
-            if metrics:
-                mlflow.log_metrics(metrics)
-            for f in engine_files:
-                mlflow.log_artifact(str(f), artifact_path="engine")
-            mlflow.log_text(resolved_yaml, "config.yaml")
-            for f in sorted(out_dir.glob("*")):
-                if f.is_file() and f.suffix in (".json", ".html", ".png", ".txt") and f.name not in ("summary.json", "report.html"):
-                    mlflow.log_artifact(str(f), artifact_path="reports")
-            mlflow.log_artifact(str(out_dir / "summary.json"))
-            if (out_dir / "report.html").is_file():
-                mlflow.log_artifact(str(out_dir / "report.html"))
-            mlflow.set_tag("status", "ok" if ok else "failed")
-        except Exception:
-            mlflow.set_tag("status", "failed")
-            raise
-        if not ok:
-            mlflow.end_run(status="FAILED")
-    out = {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id, "tracking_uri": uri,
-           "artifact_uri": run.info.artifact_uri}
-    if ok:
-        from flows.registry import register_engines
+    now_ms = lambda: int(time.time() * 1000)  # noqa: E731
+    owner = {"trtforge.build_id": build_id, "trtforge.pid": str(os.getpid()), "trtforge.host": socket.gethostname(),
+             "trtforge.heartbeat": str(now_ms())}
+    again = c.search_runs([exp.experiment_id], f"tags.`trtforge.build_id` = '{build_id}'", max_results=1)
+    if again:
+        run = again[0]
+        c.update_run(run.info.run_id, status="RUNNING")
+    else:
+        run = c.create_run(exp.experiment_id, start_time=int((started or time.time()) * 1000), tags=owner, run_name=name)
+    rid = run.info.run_id
 
-        reg = register_engines(client(), run, summary, summary["cache_key"], versions["backend"], tolerance)
-        mlflow.MlflowClient(uri).set_tag(run.info.run_id, "registry", json.dumps(reg))
+    def beat() -> None:
+        c.set_tag(rid, "trtforge.heartbeat", str(now_ms()))
+
+    try:
+        tags = {"model": summary["model"], "target": summary["target"], "precision": summary["precision"],
+                **owner, "cache_key": summary["cache_key"],
+                **{f"trtforge.{k}": v for k, v in provenance.items()},
+                **{f"version.{k}": v for k, v in versions.items()},
+                **{f"{k}.data": f"{d.get('samples')} samples: {d.get('source', '')}"[:5000]
+                   for k, d in summary.get("data", {}).items()},  # what calibrated, judged the search, validated
+                **{k: v for k, v in summary.get("metrics", {}).items() if isinstance(v, str)}}
+        from flows.context import origin_text  # a cached stage's numbers were measured by another run: say which
+        tags.update({f"cached_from.{stage}": origin_text(s["cached_from"])
+                     for stage, s in summary["stages"].items() if s.get("cached_from")})
+        flat = {}
+        for k, v in summary.get("metrics", {}).items():  # dicts of numbers (flops_share) as "flops_share.fp16"
+            flat.update({f"{k}.{kk}": vv for kk, vv in v.items()} if isinstance(v, dict) else {k: v})
+        metrics = {k: float(v) for k, v in flat.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(float(v)) != float("inf")}
+        metrics.update({f"stage_seconds.{st}": float(s["seconds"]) for st, s in summary["stages"].items()
+                        if s.get("seconds") is not None})
+        ts = now_ms()
+        items = ([RunTag(k, str(v)) for k, v in tags.items()], [Param(k, v) for k, v in params.items()],
+                 [Metric(k, v, ts, 0) for k, v in metrics.items()])
+        if not again:  # params are written once per run (a retry has them)
+            for i in range(0, max(len(items[1]), 1), 100):  # MLflow takes at most 100 params per batch
+                c.log_batch(rid, params=items[1][i:i + 100])
+        c.log_batch(rid, metrics=items[2], tags=items[0])
+        for f in engine_files:
+            c.log_artifact(rid, str(f), artifact_path="engine")
+            beat()
+        c.log_text(rid, resolved_yaml, "config.yaml")
+        for f in sorted(out_dir.glob("*")):
+            if f.is_file() and f.suffix in (".json", ".html", ".png", ".txt") and f.name not in ("summary.json", "report.html"):
+                c.log_artifact(rid, str(f), artifact_path="reports")
+        c.log_artifact(rid, str(out_dir / "summary.json"))
+        if (out_dir / "report.html").is_file():
+            c.log_artifact(rid, str(out_dir / "report.html"))
+        beat()
+        reg = None
+        if ok:
+            from flows.registry import register_engines
+
+            reg = register_engines(c, c.get_run(rid), summary, summary["cache_key"], versions["backend"], tolerance)
+            c.set_tag(rid, "registry", json.dumps(reg))
+    except Exception as e:
+        end_run(rid, ok=False, failure=e)
+        raise
+    out = {"run_id": rid, "experiment_id": exp.experiment_id, "tracking_uri": uri, "artifact_uri": run.info.artifact_uri}
+    if reg is not None:
         out["registry"] = reg
     return out

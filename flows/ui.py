@@ -37,7 +37,9 @@ def experiment_url(port: int, name: str) -> str:
         exp = MlflowClient(uri).get_experiment_by_name(name)
     except Exception:  # an unreachable or empty store: the UI says more than we could
         return base
-    return f"{base}#/experiments/{exp.experiment_id}" if exp else base
+    from flows.tracking import ui_link
+
+    return ui_link(base, exp.experiment_id) if exp else base
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -195,11 +195,12 @@ def mlflow_ui(sweep):
         log.close()
 
 
-def test_mlflow_ui_shows_the_run_its_artifacts_and_report_in_a_real_browser(sweep, mlflow_ui):
+def test_mlflow_ui_shows_the_run_its_artifacts_and_report_in_a_real_browser(sweep, mlflow_ui, user_config_dir):
     browser_or_skip()
     from playwright.sync_api import sync_playwright
 
-    _, runs = sweep
+    store, runs = sweep
+    conf = user_config_dir
     s = runs[3]  # sm_86 fp16
     run_id, exp_id = s["mlflow"]["run_id"], s["mlflow"]["experiment_id"]
     summary = json.loads((Path(s["out_dir"]) / "summary.json").read_text())
@@ -233,8 +234,39 @@ def test_mlflow_ui_shows_the_run_its_artifacts_and_report_in_a_real_browser(swee
             page.goto((Path(s["out_dir"]) / "report.html").as_uri())
             check_rendered_report(page.main_frame, summary)
             page.screenshot(path=str(SHOTS / "4-report.png"), full_page=True)
+
+            # a build from the CLI: its run lasts what the CLI said, and the experiment opens in the training view
+            env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{store / 'mlflow.db'}"}
+            r = subprocess.run([sys.executable, "-m", "flows.build", "--config-dir", str(conf), "model=tiny",
+                                "target=sm_89", "precision=fp32", "stages.benchmark=false", f"out_dir={store / 'out'}",
+                                f"cache_dir={store / 'cache'}", f"summary_out={store / 'cli.json'}"],
+                               cwd=store, env=env, capture_output=True, text=True, timeout=600)
+            said = float(re.search(r": ok in ([0-9.]+)s", r.stdout).group(1))
+            cli_run = json.loads((store / "cli.json").read_text())["mlflow"]["run_id"]
+            ui.goto(f"{mlflow_ui}/#/experiments/{exp_id}/runs/{cli_run}")
+            duration = ui.get_by_test_id("key-value-Duration")
+            duration.wait_for(timeout=90_000)
+            shown = _seconds(duration.inner_text())
+            assert abs(shown - said) <= 0.1 * said + 0.05, (duration.inner_text(), said)
+            ui.screenshot(path=str(SHOTS / "5-duration.png"))
+            from flows.tracking import ui_link
+
+            ui.goto(ui_link(mlflow_ui, exp_id))  # the address `make ui` and the CLI print
+            try:
+                ui.get_by_role("link", name="tiny-sm_89-fp32").first.wait_for(timeout=90_000)  # the runs table
+            finally:
+                ui.screenshot(path=str(SHOTS / "6-experiment.png"))
+            assert ui.get_by_text("Evaluation runs").count() == 0  # not MLflow 3's GenAI view
+            ui.screenshot(path=str(SHOTS / "6-experiment.png"))
         finally:
             browser.close()
+
+
+def _seconds(text: str) -> float:
+    """MLflow's duration text ("6.1s", "1.2min", "Duration 6.1s") in seconds."""
+    m = re.search(r"([0-9.]+)\s*(ms|s|min|h)\b", text)
+    value, unit = float(m.group(1)), m.group(2)
+    return value * {"ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0}[unit]
 
 
 def wait_for_frame(page, text: str, timeout: float = 30.0):
