@@ -19,6 +19,7 @@ from flows.config import env_defaults
 env_defaults()  # before Prefect and MLflow are imported
 
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from flows import server as prefect_server  # noqa: E402
 from flows import stages  # noqa: E402
 from flows.context import CODE, TRTFORGE_VERSION, BuildContext, BuildIdentity  # noqa: E402
 from flows.lazy import NONE, flow, task  # noqa: E402  (Prefect is imported when a build has work)
@@ -175,7 +176,9 @@ def run_build(cfg: DictConfig, config_dir: str | None = None, show_progress: boo
                 ctx = BuildContext(cfg=cfg, inputs=preflight(cfg, config_dir), identity=identity,
                                    cache=StageCache(cfg.cache_dir), show_progress=show_progress, on_stage=on_stage)
                 name = f"{cfg.model.name}-{cfg.target.name}-{cfg.precision.name}"
-                summary = build_flow(ctx, run_name=name)
+                prefect_server.ensure()  # the machine's shared local Prefect server, started if none answers
+                with prefect_server.lease():
+                    summary = build_flow(ctx, run_name=name)
                 if summary is None:  # bad input found by a stage: nothing published or tracked
                     raise ctx.error
                 # published and registered, the flow done: only now is the run ok and FINISHED, ending with the build

@@ -4,7 +4,7 @@ processes (TensorRT parsing and building hold the GIL), TRTFORGE_JOBS of them (d
 Every configuration is composed and checked first (bad input: exit 2 before any work). Up-to-date builds are
 answered here. The stages the builds share (export, partition, the Q/DQ graph per precision) are computed once:
 the first build to need a cache entry computes it under the entry's lock, the others wait and reuse it. The workers
-report to one Prefect server (PREFECT_API_URL, or a temporary one started here) instead of one each.
+report to one Prefect server (PREFECT_API_URL, or the machine's shared local one, flows/server.py).
 """
 from __future__ import annotations
 
@@ -57,21 +57,12 @@ def run_sweep(combos: list[list[str]], config_dir: str | None, report: Callable[
             work.append(ov)
     if not work:
         return code
-    server = None
-    if "PREFECT_API_URL" not in os.environ and len(work) > 1:
-        from prefect.server.api.server import SubprocessASGIServer
+    from flows import server as prefect_server
 
-        server = SubprocessASGIServer()
-        server.start(timeout=int(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")))
-        os.environ["PREFECT_API_URL"] = server.api_url  # inherited by the spawned workers
-    try:
-        with ProcessPoolExecutor(jobs(len(work)), mp_context=get_context("spawn")) as pool:
-            for f in as_completed([pool.submit(_worker_build, run_build, ov, config_dir) for ov in work]):
-                r = f.result()
-                report(r)
-                code = max(code, r.get("exit_code", 0 if r.get("summary", {}).get("status") == "ok" else 1))
-    finally:
-        if server is not None:
-            os.environ.pop("PREFECT_API_URL", None)
-            server.stop()
+    prefect_server.ensure()  # the workers report to the machine's shared local server (PREFECT_API_URL is inherited)
+    with prefect_server.lease(), ProcessPoolExecutor(jobs(len(work)), mp_context=get_context("spawn")) as pool:
+        for f in as_completed([pool.submit(_worker_build, run_build, ov, config_dir) for ov in work]):
+            r = f.result()
+            report(r)
+            code = max(code, r.get("exit_code", 0 if r.get("summary", {}).get("status") == "ok" else 1))
     return code

@@ -72,13 +72,24 @@ def fp32_nodes_from_data(model: onnx.ModelProto, feeds: list[dict[str, np.ndarra
     names = [o.name for o in sess.get_outputs()]
     peak: dict[str, float] = {}
     for feed in feeds[:RANGE_FEEDS]:
-        for name, value in [*zip(names, sess.run(names, feed)), *feed.items()]:  # graph inputs too: their readers
+        one = {k: (v[:1] if getattr(v, "ndim", 0) else v) for k, v in feed.items()} if _batched(feed) else feed
+        try:
+            values = sess.run(names, one)  # a sample of each feed (values do not grow with the batch)
+        except Exception:  # noqa: BLE001 - a model that takes no other batch: the whole feed
+            values, one = sess.run(names, feed), feed
+        for name, value in [*zip(names, values), *one.items()]:  # graph inputs too: their readers
             a = np.asarray(value)
             if a.dtype.kind != "f" or a.size == 0:
                 continue
             top = float(np.abs(a).max()) if bool(np.isfinite(a).all()) else float("inf")
             peak[name] = max(peak.get(name, 0.0), top)
     return {n: v for n, v in peak.items() if not v <= data_max}
+
+
+def _batched(feed: dict) -> bool:
+    """Whether every input of a feed shares its leading (batch) axis, so that its first sample is a feed too."""
+    lengths = {v.shape[0] for v in feed.values() if getattr(v, "ndim", 0)}
+    return len(lengths) == 1 and lengths.pop() > 1
 
 
 def _fp16_from_onnx(model: onnx.ModelProto, keep_fp32: dict[str, float]) -> tuple[onnx.ModelProto, dict]:

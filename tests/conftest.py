@@ -308,3 +308,13 @@ def audio_16bit(n: int, t: int = 256, seed: int = 0) -> np.ndarray:
     x = [np.sin(2 * np.pi * rng.uniform(0.01, 0.2) * k) * rng.uniform(5000, 20000) + rng.normal(0, 300, t)
          for _ in range(n)]
     return np.asarray(x, np.float32)[:, None, :]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def stop_the_shared_prefect_server():
+    """Builds started by the tests share one local Prefect server (flows/server.py) under the session's PREFECT_HOME:
+    stopped when the session ends, so nothing outlives the suite."""
+    yield
+    from flows.server import shutdown
+
+    shutdown()

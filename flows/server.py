@@ -1,0 +1,216 @@
+"""One local Prefect server shared by the builds of a machine, instead of a temporary server per build process.
+
+Without PREFECT_API_URL, Prefect 3 starts a temporary API server in a subprocess for every process that runs a flow:
+about 4-7 s each time (13 s on a new database), which dominated every small build, sweep entry and scheduled rebuild.
+Here the first build starts `prefect server start` on a free port of 127.0.0.1, detached, under a watchdog
+(`python -m flows.server serve`), records it in `$PREFECT_HOME/trtforge-server.json`, and every later build finds it
+there and only checks its health (milliseconds). Each build holds a lease (a file named after its pid) while it runs;
+the watchdog stops the server once no live build has held a lease for TRTFORGE_SERVER_IDLE seconds (default 600). A
+killed build's lease dies with its pid, so nothing outlives builds for long.
+
+A user's PREFECT_API_URL always wins (e.g. `make serve`'s server, or a team's). TRTFORGE_PREFECT=ephemeral keeps
+Prefect's own per-process temporary server.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+IDLE_SECONDS = float(os.environ.get("TRTFORGE_SERVER_IDLE", "600"))
+STARTUP_SECONDS = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90"))
+
+
+def home() -> Path:
+    return Path(os.environ.get("PREFECT_HOME") or Path.home() / ".prefect").expanduser()
+
+
+def state_file() -> Path:
+    return home() / "trtforge-server.json"
+
+
+def lease_dir() -> Path:
+    return home() / "trtforge-leases"
+
+
+def healthy(api_url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"{api_url.rstrip('/')}/health", timeout=timeout) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def running() -> dict | None:
+    """The shared server's record when it answers, else None."""
+    try:
+        st = json.loads(state_file().read_text())
+    except (OSError, ValueError):
+        return None
+    return st if _alive(int(st.get("pid", 0))) and healthy(st["url"]) else None
+
+
+@contextlib.contextmanager
+def lease() -> Iterator[None]:
+    """This process uses the shared server while the block runs (the watchdog sees the pid alive)."""
+    d = lease_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    f = d / str(os.getpid())
+    f.touch()
+    try:
+        yield
+    finally:
+        f.unlink(missing_ok=True)
+
+
+def ensure() -> str | None:
+    """Point this process's Prefect at the shared local server, starting it when none answers; the API URL, or None
+    when Prefect should do as it does by itself (PREFECT_API_URL set by the user, or TRTFORGE_PREFECT=ephemeral)."""
+    if os.environ.get("PREFECT_API_URL") or os.environ.get("TRTFORGE_PREFECT") == "ephemeral":
+        return None
+    if "prefect" in sys.modules:  # Prefect already configured in this process (a test harness, a served flow)
+        from prefect.settings import get_current_settings
+
+        if get_current_settings().api.url:
+            return None
+    from flows.cache import named_lock
+
+    d = lease_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    (d / str(os.getpid())).touch()  # this build uses the server from now on (lease() releases it)
+    st = running()
+    if st is None:
+        with named_lock(home(), "prefect-server"):  # two builds starting at once: one server
+            st = running() or start()
+    os.environ["PREFECT_API_URL"] = st["url"]
+    return st["url"]
+
+
+def start() -> dict:
+    """Start the watchdog (which starts the server) detached from this process, and wait until it answers."""
+    from tasks.errors import UnavailableError
+
+    home().mkdir(parents=True, exist_ok=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/api"
+    log = open(home() / "trtforge-server.log", "ab")
+    watchdog = subprocess.Popen([sys.executable, "-m", "flows.server", "serve", str(port)], stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                cwd=str(Path(__file__).resolve().parents[1]), env={**os.environ, "PREFECT_API_URL": ""})
+    log.close()
+    t0 = time.monotonic()
+    while not healthy(url, timeout=1.0):
+        if watchdog.poll() is not None or time.monotonic() - t0 > STARTUP_SECONDS:
+            watchdog.kill()
+            raise UnavailableError(f"the local Prefect server on 127.0.0.1:{port} did not start "
+                                   f"(see {home() / 'trtforge-server.log'})",
+                                   fix="set PREFECT_API_URL to a running server, or TRTFORGE_PREFECT=ephemeral")
+        time.sleep(0.25)
+    st = {"pid": watchdog.pid, "url": url, "port": port, "started": time.time()}
+    tmp = state_file().with_suffix(".tmp")
+    tmp.write_text(json.dumps(st))
+    tmp.replace(state_file())
+    return st
+
+
+def _die_with_parent() -> None:
+    """Linux: the server gets SIGTERM when the watchdog dies, however it dies (even SIGKILL)."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def busy() -> bool:
+    """Whether a live build holds a lease (dead builds' leases are removed)."""
+    live = False
+    for f in lease_dir().glob("*"):
+        if f.name.isdigit() and _alive(int(f.name)):
+            live = True
+        else:
+            f.unlink(missing_ok=True)
+    return live
+
+
+def serve(port: int) -> int:
+    """The watchdog: run `prefect server start` on 127.0.0.1:port; stop it after IDLE_SECONDS without a live lease."""
+    import signal
+
+    prefect = os.path.join(os.path.dirname(sys.executable), "prefect")
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    server = subprocess.Popen([prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
+                              stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+
+    def stop(*_):
+        server.terminate()
+        try:
+            server.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        with contextlib.suppress(OSError, ValueError):
+            if json.loads(state_file().read_text()).get("pid") == os.getpid():
+                state_file().unlink()
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    while not healthy(f"http://127.0.0.1:{port}/api", timeout=1.0) and server.poll() is None:
+        time.sleep(0.25)  # idle time counts from when builds can use it
+    last_used = time.monotonic()
+    while server.poll() is None:
+        time.sleep(min(5.0, max(0.5, IDLE_SECONDS / 10)))
+        if busy():
+            last_used = time.monotonic()
+        elif time.monotonic() - last_used > IDLE_SECONDS:
+            stop()
+    return server.returncode or 0
+
+
+def shutdown() -> bool:
+    """Stop the shared server now (tests, `make clean`); True when one was running."""
+    try:
+        st = json.loads(state_file().read_text())
+    except (OSError, ValueError):
+        return False
+    pid = int(st.get("pid", 0))
+    if not _alive(pid):
+        state_file().unlink(missing_ok=True)
+        return False
+    import signal
+
+    os.kill(pid, signal.SIGTERM)
+    for _ in range(80):
+        if not _alive(pid):
+            break
+        time.sleep(0.25)
+    return True
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 3 and sys.argv[1] == "serve":
+        sys.exit(serve(int(sys.argv[2])))
+    if len(sys.argv) >= 2 and sys.argv[1] == "stop":
+        print("stopped" if shutdown() else "no server was running")
+        sys.exit(0)
+    print("usage: python -m flows.server serve PORT | stop", file=sys.stderr)
+    sys.exit(2)

@@ -1,0 +1,64 @@
+"""The shared local Prefect server (flows/server.py): builds reuse one instead of starting a temporary server each,
+and a killed build leaves nothing running: the server stops by itself once no live build holds a lease."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flows.server import _alive, healthy
+
+
+def cli(tmp: Path, conf: Path, *extra: str, env_extra: dict | None = None, wait: bool = True):
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}", "PREFECT_HOME": str(tmp / "prefect"),
+           **(env_extra or {})}
+    env.pop("PREFECT_API_URL", None)
+    args = [sys.executable, "-m", "flows.build", "--config-dir", str(conf), "model=tiny", "stages.benchmark=false",
+            f"out_dir={tmp / 'out'}", f"cache_dir={tmp / 'cache'}", *extra]
+    if not wait:
+        return subprocess.Popen(args, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.run(args, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+
+
+def server_processes(port: int) -> list[int]:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [int(line.split()[0]) for line in out.splitlines() if "prefect" in line and f"--port {port}" in line]
+
+
+@pytest.mark.slow
+def test_builds_share_one_local_server_and_a_killed_build_leaves_nothing_running(tmp_path, user_config_dir):
+    idle = {"TRTFORGE_SERVER_IDLE": "6"}
+    first = cli(tmp_path, user_config_dir, "precision=fp32", env_extra=idle)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    state = json.loads((tmp_path / "prefect" / "trtforge-server.json").read_text())
+    assert healthy(state["url"])
+    second = cli(tmp_path, user_config_dir, "precision=fp16", env_extra=idle)
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
+    assert json.loads((tmp_path / "prefect" / "trtforge-server.json").read_text())["pid"] == state["pid"]  # reused
+
+    killed = cli(tmp_path, user_config_dir, "precision=fp16", "target=sm_89", env_extra=idle, wait=False)
+    deadline = time.monotonic() + 120
+    while not list((tmp_path / "prefect" / "trtforge-leases").glob(str(killed.pid))) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the build holds its lease: it is using the server
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    deadline = time.monotonic() + 60
+    while (_alive(state["pid"]) or server_processes(state["port"])) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _alive(state["pid"]) and not server_processes(state["port"]), "the server outlived its builds"
+    assert not (tmp_path / "prefect" / "trtforge-server.json").exists()
+    third = cli(tmp_path, user_config_dir, "precision=fp32", "target=sm_80", env_extra=idle)  # starts a new one
+    assert third.returncode == 0, third.stdout[-2000:] + third.stderr[-2000:]
+    st = json.loads((tmp_path / "prefect" / "trtforge-server.json").read_text())
+    assert st["pid"] != state["pid"] and healthy(st["url"])
+    os.kill(st["pid"], signal.SIGTERM)  # the test's own cleanup (it would stop by itself after 6 s idle)
+    deadline = time.monotonic() + 30
+    while server_processes(st["port"]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not server_processes(st["port"])
