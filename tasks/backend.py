@@ -162,7 +162,7 @@ class Backend:
         for i in range(parser.num_errors):
             err = parser.get_error(i)
             report.errors.append({"node": int(err.node()), "name": err.node_name(), "op": err.node_operator(),
-                                  "reason": err.desc()})
+                                  "reason": clean_message(err.desc())})
         return report
 
     def parse_errors(self, model_bytes: bytes, model_path: str = "") -> list[dict]:
@@ -172,7 +172,7 @@ class Backend:
         if parser.parse(model_bytes, model_path):
             return []
         errs = [parser.get_error(i) for i in range(parser.num_errors)]
-        return [{"node": int(e.node()), "name": e.node_name(), "op": e.node_operator(), "reason": e.desc()} for e in errs] \
+        return [{"node": int(e.node()), "name": e.node_name(), "op": e.node_operator(), "reason": clean_message(e.desc())} for e in errs] \
             or [{"node": -1, "name": "", "op": "", "reason": "; ".join(logger.errors()) or "parse failed"}]
 
     def build_engine(self, model_path: str, profiles: list[dict], compute_capability: str, *,
@@ -223,10 +223,14 @@ class Backend:
 
 
 def clean_message(msg: str) -> str:
-    """A TensorRT message without its source locations ("In op at /_src/...cpp:2699")."""
+    """A TensorRT message as a cause: without its source locations ("In op at /_src/...cpp:2699") and without the
+    "[checkMacros.cpp::catchCudaError] ... cudaError 35" lines a host without a GPU adds to a parser error (parsing
+    and building never need the GPU)."""
     import re
 
-    return re.sub(r"\s*In \w+ at /\S+", "", msg).strip()
+    from .errors import cause
+
+    return cause(re.sub(r"\s*In \w+ at /\S+", "", msg))
 
 
 def route_around(ops: list[str]) -> str:

@@ -52,11 +52,37 @@ class UnavailableError(TrtforgeError):
 NOISE = re.compile(r"cudaError|CUDA initialization failure|no CUDA-capable device|CUDA driver version is insufficient|"
                    r"cuInit|cudaGetDevice|checkMacros\.cpp::catchCudaError")
 ORT_PREFIX = re.compile(r"^\[ONNXRuntimeError\]\s*:\s*\d+\s*:\s*\w+\s*:\s*")
+# ONNX Runtime repeats the model's path before its reason ("Load model from /cache/.../m.onnx failed:Type Error: ...");
+# the error names the file after the cause already
+ORT_LOAD = re.compile(r"Load model from \S+ failed:\s*")
+# ONNX Runtime's C++ source location and the signature of the function that threw, before the reason
+# ("/onnxruntime_src/onnxruntime/core/graph/model.cc:256 onnxruntime::Model::Model(onnx::ModelProto&&, ...) Unsupported")
+CPP_WHERE = re.compile(r"/\S+\.(?:cc|cpp|h|hpp):\d+\s+")
 
 
 def cause(e: BaseException | str) -> str:
     """The words of a library error that say what went wrong: its lines without CUDA-without-a-GPU noise, ONNX
-    Runtime's "[ONNXRuntimeError] : 1 : FAIL :" prefix dropped, joined; never cut."""
+    Runtime's "[ONNXRuntimeError] : 1 : FAIL :" prefix, its "Load model from <path> failed:" and its C++ source
+    location and function signature dropped, joined; never cut."""
     text = str(e).strip() or (type(e).__name__ if isinstance(e, BaseException) else "")
-    lines = [ORT_PREFIX.sub("", ln.strip()) for ln in text.splitlines() if ln.strip() and not NOISE.search(ln)]
+    lines = [_without_cpp_where(ORT_LOAD.sub("", ORT_PREFIX.sub("", ln.strip())))
+             for ln in text.splitlines() if ln.strip() and not NOISE.search(ln)]
+    lines = [ln for ln in lines if ln]
     return " ".join(lines) if len(lines) <= 3 else " ".join(lines[:3]) + f" (+{len(lines) - 3} lines)"
+
+
+def _without_cpp_where(line: str) -> str:
+    """``line`` without a C++ source location and the function signature after it ("f.cc:46 void ns::f(int, T&) ")."""
+    m = CPP_WHERE.search(line)
+    if not m:
+        return line
+    rest = line[m.end():]
+    sig = re.match(r"[\w:<>,*&~ ]*?\(", rest)
+    if sig is None or len(sig.group(0)) > 200:
+        return (line[:m.start()] + rest).strip()
+    depth = 0
+    for i in range(sig.end() - 1, len(rest)):
+        depth += {"(": 1, ")": -1}.get(rest[i], 0)
+        if depth == 0:
+            return (line[:m.start()] + rest[i + 1:]).strip()
+    return (line[:m.start()] + rest).strip()

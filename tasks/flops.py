@@ -13,8 +13,9 @@ have concrete shapes. Each layer then gets:
   the layers around them, and copies are memory-bound, not compute.
 * a precision, from the network's own tensor types (networks are strongly typed, so these are the types the engine
   computes in): a convolution, deconvolution or matrix multiply whose data and weight inputs both come from
-  DequantizeLinear layers of int8 (fp8) tensors (directly or through shuffles: the parser reshapes a 2-D MatMul
-  weight for a batched input) runs in int8 (fp8), as TensorRT fuses DQ -> op -> Q; any other layer
+  DequantizeLinear layers of int8 (fp8) tensors (directly or through the parser's reshapes: a 2-D MatMul weight for a
+  batched input, the Unsqueeze that makes a 1-D Conv 2-D) runs in int8 (fp8), as TensorRT fuses DQ -> op -> Q; any
+  other layer
   runs in the float type of its output (float32 -> fp32, float16 -> fp16, bfloat16 counted as fp16), or of its
   input when the output is not a float (comparisons). Layers on integer/bool tensors only (shape arithmetic) have no
   float precision: counted as ``other`` and left out of the FLOP shares.
@@ -244,14 +245,20 @@ def _dtype(trt, dt) -> str | None:
             getattr(trt.DataType, "BF16", None): "fp16", getattr(trt.DataType, "FP8", None): "fp8"}.get(dt)
 
 
+def _reshapes(trt) -> tuple:
+    return tuple(getattr(trt.LayerType, n) for n in ("SHUFFLE", "UNSQUEEZE", "SQUEEZE") if hasattr(trt.LayerType, n))
+
+
 def _precision(trt, L, kind: str, producer: dict) -> str | None:
     if kind in MATMUL_KINDS:
         q = set()
         for j in range(min(L.num_inputs, 2)):
             t = L.get_input(j)
             src = producer.get(t.name) if t is not None else None
-            while src is not None and src.type == trt.LayerType.SHUFFLE:  # the parser's reshape of a 2-D weight for a
-                t = src.get_input(0)                                        # batched MatMul: TensorRT moves DQ past it
+            # the parser's reshapes between a DQ and its layer (a 2-D MatMul weight for a batched input; the
+            # Unsqueeze/Squeeze that make a 1-D Conv 2-D): TensorRT moves DQ past them
+            while src is not None and src.type in _reshapes(trt):
+                t = src.get_input(0)
                 src = producer.get(t.name) if t is not None else None
             if src is None or src.type != trt.LayerType.DEQUANTIZE:
                 q = set()

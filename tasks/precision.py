@@ -102,7 +102,11 @@ def _fp16_from_onnx(model: onnx.ModelProto, keep_fp32: dict[str, float]) -> tupl
         outputs with fp16 breaks TensorRT builds with dynamic shapes;
       * nodes consuming a float initializer that fp16 can't hold: overflow
         (|x| > 65504) or most of its mass in the subnormal range (relative L2
-        rounding error > MAX_REL_ERROR; stray denormal weights don't count).
+        rounding error > MAX_REL_ERROR; stray denormal weights don't count);
+      * a DequantizeLinear whose every reader is kept fp32 (a quantized Conv
+        whose values leave fp16's range): it dequantizes to fp32 itself, since
+        a Cast between a DQ and its layer stops TensorRT fusing them into an
+        int8 layer (the layer ran in fp32 on dequantized values).
     Models that already contain fp16: if most float weights are fp16 the model
     is taken as converted and returned unchanged (``already_fp16`` in the
     stats); otherwise the rest is converted and existing fp16 parts are kept.
@@ -149,6 +153,8 @@ def _fp16_from_onnx(model: onnx.ModelProto, keep_fp32: dict[str, float]) -> tupl
         if over:
             reasons.setdefault(node.name, "data_range")
             data_range[node.name] = max(over)
+    for name in _dequantize_feeding_fp32(g, set(reasons)):
+        reasons.setdefault(name, "dq_of_fp32_layer")
     _split_shared_initializers(g, set(reasons))
     kept = collections.Counter(n.op_type for n in g.node if n.name in reasons)
 
@@ -282,6 +288,19 @@ def _shape_only_nodes(g: onnx.GraphProto) -> list[str]:
         else:
             out.append(node.name)
     return out
+
+
+def _dequantize_feeding_fp32(g: onnx.GraphProto, fp32: set[str]) -> list[str]:
+    """DequantizeLinear nodes all of whose readers are in ``fp32`` (kept fp32): converted, they would output fp16 and
+    the converter would put a Cast between them and their layer, which TensorRT does not fuse into a quantized layer."""
+    readers = collections.defaultdict(list)
+    for node in g.node:
+        for i in node_inputs(node):
+            readers[i].append(node.name)
+    outputs = {o.name for o in g.output}
+    return [n.name for n in g.node if n.op_type == "DequantizeLinear" and n.name not in fp32
+            and readers.get(n.output[0]) and n.output[0] not in outputs
+            and all(r in fp32 for r in readers[n.output[0]])]
 
 
 def _range_unsafe_consumers(g: onnx.GraphProto) -> set[str]:

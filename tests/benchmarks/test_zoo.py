@@ -49,3 +49,37 @@ def test_npm_sources_are_pinned_and_their_chunks_checked():
     files[f"dist/{sha[1]}"] = bytes([parts[1][0] ^ 1]) + parts[1][1:]  # a changed chunk
     with pytest.raises(ValueError, match="does not match its sha256"):
         zoo.file_from_resources(files.__getitem__, "dist/resources.json", "/models/m")
+
+
+def test_an_input_fed_at_its_packages_scale_is_drawn_at_that_scale(tmp_path, monkeypatch):
+    """openWakeWord feeds its mel front end 16-bit sample values; random standard-normal (or [0, 1)) data hid that the
+    power spectrum overflows fp16. data.yaml's audio recipe draws whole sample values at that scale, for calibration
+    and, with `scaled_only`, for validation; a model without an entry gets no validation data (as a user without data)."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper
+
+    spec = importlib.util.spec_from_file_location("zoo", REPO / "benchmarks" / "zoo.py")
+    zoo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(zoo)
+    (tmp_path / "model").mkdir()
+    g = helper.make_graph([helper.make_node("Identity", ["audio"], ["y"])], "g",
+                          [helper.make_tensor_value_info("audio", TensorProto.FLOAT, ["n", "t"])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", "t"])])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "a.onnx"))
+    for name in ("fed16", "plain"):
+        (tmp_path / "model" / f"{name}.yaml").write_text(
+            f"name: {name}\nsource: {tmp_path / 'a.onnx'}\nprofiles:\n"
+            "  - audio: {min: [1, 1280], opt: [1, 1600], max: [4, 3200]}\n")
+    (tmp_path / "data.yaml").write_text("fed16:\n  audio: {kind: audio, scale: 32767, peak: 0.6}\n")
+    monkeypatch.setattr(zoo, "ZOO", tmp_path)
+    monkeypatch.setattr(zoo, "DATA", tmp_path / "data.yaml")
+
+    a = np.load(zoo.calibration_data("fed16", "batch", tmp_path))["audio"]
+    assert a.shape == (16, 1600) and a.dtype == np.float32
+    assert 19000 < np.abs(a).max() <= 0.6 * 32767 + 1 and np.array_equal(a, np.round(a))  # whole 16-bit values
+    assert np.abs(a).mean() > 1000  # speech-like loudness, not a few spikes
+    v = zoo.calibration_data("fed16", "batch", tmp_path, seed=1, purpose="validation", scaled_only=True)
+    assert v.name == "fed16.validation.batch.npz" and not np.array_equal(np.load(v)["audio"], a)
+    assert zoo.calibration_data("plain", "batch", tmp_path, purpose="validation", scaled_only=True) is None
+    assert np.abs(np.load(zoo.calibration_data("plain", "batch", tmp_path))["audio"]).max() < 10  # standard normal

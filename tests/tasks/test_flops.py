@@ -126,3 +126,30 @@ def test_summary_of_no_float_flops_and_files(graphs, backend):
     r = precision_profile([graphs["int8"]], [PROFILE], backend, graphs["dir"] / "prof", "tiny int8")
     assert r.files["precision_profile"].is_file() and r.files["precision_profile_plot"].stat().st_size > 5000
     assert "int8" in describe(r.metrics) and r.metrics["flops_share"]["int8"] > 0.9
+
+
+def test_a_quantized_1d_conv_kept_fp32_by_range_reads_its_dq_directly_and_counts_as_int8(tmp_path, backend):
+    """A mel front end's filter bank at int8 on 16-bit audio: its output leaves fp16's range, so the range check keeps
+    it fp32, and its DequantizeLinear nodes were converted to fp16 with a Cast before the Conv, which TensorRT does not
+    fuse (the 'quantized' Conv ran in fp32, flops_share int8 0.0). Now its DQs output fp32 into it, and the parser's
+    Unsqueeze (1-D Conv as 2-D) is looked through as TensorRT does: the Conv counts as int8. Real TensorRT-RTX."""
+    from tasks.build import engine_from_onnx
+    from tests.conftest import audio_16bit, make_audio_power_model
+
+    path = make_audio_power_model(tmp_path / "mel.onnx")
+    x = audio_16bit(8, seed=1)
+    feeds = [{"x": x[i:i + 2]} for i in range(0, 8, 2)]
+    r = qdq_from_onnx(path, feeds, tmp_path / "mel_int8.onnx", method="minmax")
+    assert "filterbank" in r.details["quantized"] and r.details["fp32_by_data_range"]
+    g = onnx.load(str(r.files["onnx"])).graph
+    producer = {o: n for n in g.node for o in n.output}
+    conv = next(n for n in g.node if n.name == "filterbank")
+    feeding = [producer[i] for i in conv.input[:2]]
+    assert [n.op_type for n in feeding] == ["DequantizeLinear", "DequantizeLinear"], [n.op_type for n in feeding]
+    profile = [{"x": {"min": [1, 1, 256], "opt": [2, 1, 256], "max": [4, 1, 256]}}]
+    engine_from_onnx(r.files["onnx"], tmp_path / "mel_int8.engine", profile, "8.6",
+                     {"optimization_level": 3, "workspace_mib": None}, backend, show_progress=False)
+    p = precision_profile_from_onnx([r.files["onnx"]], [profile], backend)
+    by_name = {row["name"]: row for row in p["layers"]}
+    assert by_name["filterbank"]["precision"] == "int8", by_name["filterbank"]
+    assert p["metrics"]["flops_share"]["int8"] > 0
