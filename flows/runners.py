@@ -20,6 +20,7 @@ def candidate_runner(ctx: BuildContext, runners: contextlib.ExitStack | None = N
                      cuda_graph: bool = False):
     """The model as it will run: per TensorRT segment the engine (with `runners`: on a GPU, closed with it) or its
     precision graph in ONNX Runtime, the native segments of a hybrid model in ONNX Runtime between them."""
+    from tasks.backend import gpu_for
     from tasks.emulate import precision_runner
     from tasks.ort import ort_runner
     from tasks.runtime import EngineRunner, runtime_cache_file
@@ -35,8 +36,10 @@ def candidate_runner(ctx: BuildContext, runners: contextlib.ExitStack | None = N
             return ort_runner(ctx.results["partition"].files[f"segment{seg['index']}"], arena=not hybrid)
         eng, onnx = by_segment[seg["index"]]
         if runners is not None:
+            gpu = gpu_for(ctx.cfg.target.compute_capability)  # the GPU this target runs on, not CUDA's device 0
             return runners.enter_context(EngineRunner(Path(eng).read_bytes(), ctx.backend, runtime_cache=cache,
-                                                      cuda_graph=cuda_graph, stage=stage)).infer
+                                                      cuda_graph=cuda_graph, stage=stage,
+                                                      pci_bus_id=gpu.pci_bus_id if gpu else None)).infer
         # ORT's full optimisation fuses Q/DQ into kernels that have no float8 version; fp16 values rounded as TensorRT
         # stores them (tasks/emulate.py: ONNX Runtime's CPU kernels would compute most fp16 ops in fp32)
         return precision_runner(onnx, "basic" if ctx.cfg.precision.name == "fp8" else "all", arena=not hybrid)[0]

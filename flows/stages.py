@@ -283,7 +283,8 @@ def benchmark(ctx: BuildContext) -> StageResult:
             with contextlib.ExitStack() as runners:
                 def open_engine(path: Path):
                     return runners.enter_context(EngineRunner(Path(path).read_bytes(), ctx.backend, runtime_cache=cache,
-                                                              cuda_graph=bench["cuda_graph"], stage="benchmark"))
+                                                              cuda_graph=bench["cuda_graph"], stage="benchmark",
+                                                              pci_bus_id=gpu.pci_bus_id))
                 baseline = engines_of(ctx.results["build"])[0][1] if p.quantized and not hybrid else None
                 timing = engine_timing(feed, bench, f"{ctx.backend.version} on {gpu.name} (sm {gpu.compute_capability})",
                                        open_engine, engines_of(eng_r)[0][1], baseline,

@@ -42,23 +42,31 @@ class GpuInfo:
     name: str
     compute_capability: str
     driver: str
+    pci_bus_id: str = ""  # how the engine runner finds this GPU's CUDA device (nvidia-smi's order is not CUDA's)
+
+
+NVIDIA_SMI_QUERY = "--query-gpu=name,compute_cap,driver_version,pci.bus_id"
+
+
+def gpus_from_nvidia_smi(text: str) -> tuple[GpuInfo, ...]:
+    """GPUs from ``nvidia-smi --query-gpu=name,compute_cap,driver_version,pci.bus_id --format=csv,noheader``."""
+    gpus = []
+    for line in text.strip().splitlines():
+        parts = [p.strip() for p in line.rsplit(",", 3)]  # a GPU's name may hold a comma; the other fields do not
+        if len(parts) == 4:
+            gpus.append(GpuInfo(*parts))
+    return tuple(gpus)
 
 
 @lru_cache(maxsize=1)
 def host_gpus() -> tuple[GpuInfo, ...]:
     """NVIDIA GPUs on this host, from nvidia-smi (empty when there is no driver or GPU)."""
     try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,compute_cap,driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=20, check=True).stdout
+        out = subprocess.run(["nvidia-smi", NVIDIA_SMI_QUERY, "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return ()
-    gpus = []
-    for line in out.strip().splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) >= 3:
-            gpus.append(GpuInfo(parts[0], parts[1], parts[2]))
-    return tuple(gpus)
+    return gpus_from_nvidia_smi(out)
 
 
 def gpu_for(compute_capability: str) -> GpuInfo | None:

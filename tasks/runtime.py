@@ -140,6 +140,19 @@ def output_plan(specs: list[TensorSpec], shapes: dict[str, tuple[int, ...]]) -> 
     return plan
 
 
+def graph_binding(profile: int | None, shapes: dict[str, tuple[int, ...]], device: dict[str, int],
+                  host: dict[str, int]) -> tuple:
+    """What a captured CUDA graph depends on: the optimization profile, every input shape and every tensor address
+    (device buffers are reallocated when a larger shape needs more memory; host shape tensors move with each feed)."""
+    return (profile, tuple(sorted((n, tuple(int(d) for d in s)) for n, s in shapes.items())),
+            tuple(sorted(device.items())), tuple(sorted(host.items())))
+
+
+def binding_unchanged(captured: tuple | None, now: tuple) -> bool:
+    """Whether a graph captured with ``captured`` may be replayed for ``now`` (anything else re-captures)."""
+    return captured is not None and captured == now
+
+
 def runtime_cache_file(cache_dir: str | os.PathLike, target: str, backend_version: str) -> Path:
     """Where TensorRT-RTX's runtime cache (kernels compiled on the GPU) is kept: one file per target and backend."""
     return Path(cache_dir).expanduser() / "runtime-cache" / target / f"{backend_version}.bin"
@@ -248,9 +261,13 @@ class EngineRunner:
     """Executes a serialized engine on the GPU: one execution context, one stream; `close()` frees everything."""
 
     def __init__(self, engine_bytes: bytes, backend, runtime_cache: Path | None = None, cuda_graph: bool = False,
-                 stage: str = "validate"):
+                 stage: str = "validate", pci_bus_id: str | None = None):
+        """``pci_bus_id``: the GPU to run on (``GpuInfo.pci_bus_id`` of the one ``gpu_for`` chose); on a host with
+        several GPUs CUDA's device 0 may be another one (CUDA orders devices fastest first, nvidia-smi by bus)."""
         self.stage, self.notes = stage, []  # notes: what the runner decided and why (e.g. a stale runtime cache)
         self.cuda = Cuda(stage)
+        self.device = self.cuda("cudaDeviceGetByPCIBusId", pci_bus_id.encode()) if pci_bus_id else 0
+        self.cuda("cudaSetDevice", self.device)  # this thread's current device: the context, stream, buffers live there
         self.cuda("cudaFree", 0)  # creates the CUDA context (the runtime cache checks against it)
         trt = self.trt = backend.trt
         self.logger = collecting_logger(trt)
@@ -281,6 +298,8 @@ class EngineRunner:
         self._plan: dict[str, int | None] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._graph = None
+        self._graph_binding: tuple | None = None  # what the captured graph was recorded with (see GraphBinding)
+        self.recaptures = 0
 
     def _log(self) -> str:
         return " | ".join(self.logger.errors()[-3:]) or "no error message"
@@ -295,8 +314,12 @@ class EngineRunner:
             # eager: shape-specialized kernels are compiled before the run that needs them, not in the background
             cfg.dynamic_shapes_kernel_specialization_strategy = trt.DynamicShapesKernelSpecializationStrategy.EAGER
         if cuda_graph and hasattr(trt, "CudaGraphStrategy"):
+            # TensorRT-RTX captures and replays inside enqueue (after shape-specialized kernels exist); its API does
+            # not say whether it did, so the timing says "requested", never "captured"
             cfg.cuda_graph_strategy = trt.CudaGraphStrategy.WHOLE_GRAPH_CAPTURE
-            self._rtx_graph = True
+            self._rtx_graph = cfg.cuda_graph_strategy == trt.CudaGraphStrategy.WHOLE_GRAPH_CAPTURE
+            if not self._rtx_graph:
+                self.notes.append("no CUDA graph: TensorRT-RTX did not take the whole-graph capture strategy")
         if cache_file is not None and hasattr(cfg, "create_runtime_cache"):
             cache = cfg.create_runtime_cache()
             if cache_file.is_file() and not cache.deserialize(cache_file.read_bytes()):
@@ -340,15 +363,27 @@ class EngineRunner:
             else:
                 self._check(self.context.set_tensor_address(s.name, self.buffers.dev(s.name, nbytes)),
                             f"set_tensor_address({s.name!r})")
+        if self._graph is not None and not binding_unchanged(self._graph_binding, self._binding(feed)):
+            self._drop_graph()  # a graph replays the shapes and addresses it was captured with: never replay it stale
         return feed
+
+    def _binding(self, feed: dict[str, np.ndarray]) -> tuple:
+        return graph_binding(self.profile, {n: a.shape for n, a in feed.items()},
+                             {n: p for n, (p, _) in self.buffers.device.items()},
+                             {n: a.ctypes.data for n, a in {**self._host_inputs, **self._host_outputs}.items()})
+
+    def _stage(self, feed: dict[str, np.ndarray]) -> None:
+        """Copy the inputs into pinned host memory (a host-side copy: not part of the timed host-to-device transfer)."""
+        for s in self.inputs:
+            if not s.host:
+                arr = feed[s.name]
+                self.buffers.host(s.name, arr.nbytes, arr.dtype, arr.shape)[...] = arr
 
     def _upload(self, feed: dict[str, np.ndarray]) -> None:
         for s in self.inputs:
             if not s.host:
-                arr = feed[s.name]
-                staged = self.buffers.host(s.name, arr.nbytes, arr.dtype, arr.shape)
-                staged[...] = arr
-                self.cuda.h2d(self.buffers.device[s.name][0], self.buffers.pinned[s.name][0], arr.nbytes, self.stream)
+                self.cuda.h2d(self.buffers.device[s.name][0], self.buffers.pinned[s.name][0], feed[s.name].nbytes,
+                              self.stream)
 
     def _execute(self) -> None:
         if self._graph is not None:
@@ -373,6 +408,7 @@ class EngineRunner:
     def infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Outputs for one feed (copied off the pinned buffers)."""
         feed = self._bind(feed)
+        self._stage(feed)
         self._upload(feed)
         self._execute()
         self.cuda("cudaStreamSynchronize", self.stream)  # data-dependent shapes are known only now
@@ -399,12 +435,22 @@ class EngineRunner:
         self._check(ok, "execute_async_v3 (CUDA graph capture)")
         self._graph = self.cuda("cudaGraphInstantiate", graph, 0)
         self._graph_def = graph
+        self._graph_binding = self._binding(self._bound_feed)
+
+    def _drop_graph(self) -> None:
+        self.cuda("cudaStreamSynchronize", self.stream)
+        self.cuda("cudaGraphExecDestroy", self._graph)
+        self.cuda("cudaGraphDestroy", self._graph_def)
+        self._graph = self._graph_binding = None
+        self.recaptures += 1
 
     def measure(self, feed: dict[str, np.ndarray], warmup: int, iterations: int, repeats: int = 1) -> dict[str, Any]:
         """CUDA-event timing per run: host-to-device copy, GPU compute (execute_async_v3) and device-to-host copy,
         each in ms, plus the host-side wall time of the whole run. Warm-up runs come first (the first one is the
         cold start: kernel specialization, lazy loading) and are reported apart."""
         feed = self._bind(feed)
+        self._bound_feed = feed
+        self._stage(feed)  # once: the copy into pinned memory is host work, outside the timed transfer
         e0, e1, e2, e3 = self.events
         runs: list[tuple[float, float, float, float]] = []
 
@@ -424,7 +470,7 @@ class EngineRunner:
         for _ in range(max(1, warmup)):
             once()
         warm, runs[:] = list(runs), []
-        if self.cuda_graph:
+        if self.cuda_graph and self._graph is None:
             self._capture_graph()
         medians = []
         for _ in range(max(1, repeats)):
@@ -433,10 +479,14 @@ class EngineRunner:
                 once()
             medians.append(float(np.median([r[1] for r in runs[start:]])))
         h2d, gpu, d2h, wall = (list(x) for x in zip(*runs))
-        return {"timer": "cuda events", "cuda_graph": self._graph is not None or self._rtx_graph,
+        graph = {"cuda_graph": "captured" if self._graph is not None else
+                 "requested (TensorRT-RTX whole-graph capture; the runtime does not report whether it captured)"
+                 if self._rtx_graph else "requested, not captured" if self.cuda_graph else "off"}
+        return {"timer": "cuda events", **graph, "cuda_graph_recaptures": self.recaptures, "device": self.device,
                 "profile": self.profile, "first_run_ms": warm[0][3], "first_run_gpu_ms": warm[0][1],
                 "warmup_gpu_ms": [w[1] for w in warm],
-                **latency_stats(gpu, medians, batch_size(feed)),
+                # latency: GPU compute (execute_async_v3); throughput: whole requests, h2d + compute + d2h, one stream
+                **latency_stats(gpu, medians, batch_size(feed), [a + b + c for a, b, c in zip(h2d, gpu, d2h)]),
                 "h2d_ms": float(np.median(h2d)), "d2h_ms": float(np.median(d2h)),
                 "end_to_end_p50_ms": float(np.percentile(wall, 50)), "runs": len(runs), "notes": list(self.notes)}
 
@@ -463,9 +513,7 @@ class EngineRunner:
             self.save_runtime_cache()
         finally:
             if self._graph is not None:
-                self.cuda("cudaGraphExecDestroy", self._graph)
-                self.cuda("cudaGraphDestroy", self._graph_def)
-                self._graph = None
+                self._drop_graph()
             self.buffers.free()
             for e in self.events:
                 self.cuda("cudaEventDestroy", e)

@@ -7,6 +7,9 @@ def test_latency_stats():
     s = latency_stats([1.0] * 98 + [10.0, 10.0], [1.0, 1.2], batch=4)
     assert s["p50_ms"] == 1.0 and s["p99_ms"] >= 9.9 and s["throughput_per_s"] > 0
     assert abs(s["spread_pct"] - 20.0) < 1e-9
+    # an engine's latency is its compute; its throughput counts whole requests (copies included)
+    e = latency_stats([1.0] * 4, [1.0], batch=4, request_ms=[2.0] * 4)
+    assert e["p50_ms"] == 1.0 and e["throughput_per_s"] == 2000.0
 
 
 def test_benchmark_measures_onnxruntime_and_says_engine_timing_needs_a_gpu(tiny_onnx, tmp_path):

@@ -11,7 +11,8 @@ import pytest
 from tasks.backend import gpu_for, host_gpus, no_gpu_reason
 from tasks.errors import StageError
 from tasks.ort import ort_run, ort_session
-from tasks.runtime import TensorSpec, check_feed, choose_profile, cuda_versions, output_plan, runtime_cache_file
+from tasks.runtime import (TensorSpec, binding_unchanged, check_feed, choose_profile, cuda_versions, graph_binding,
+                           output_plan, runtime_cache_file)
 
 RTX_CC = ("7.5", "8.0", "8.6", "8.9", "12.0", "12.1")
 
@@ -99,8 +100,32 @@ def test_cuda_versions_are_read_from_the_libraries():
 def test_without_a_gpu_the_runner_refuses_with_the_cuda_error(rtx):
     from tasks.runtime import EngineRunner
 
-    with pytest.raises(StageError, match="CUDA cudaFree failed: cudaError"):
+    with pytest.raises(StageError, match="CUDA cuda(SetDevice|Free) failed: cudaError"):
         EngineRunner(b"not an engine", rtx)
+
+
+def test_a_captured_cuda_graph_is_replayed_only_for_the_binding_it_was_captured_with():
+    """A CUDA graph replays fixed shapes and addresses: a new shape, a reallocated buffer, another profile or a moved
+    host shape tensor means capture again, never a stale replay."""
+    base = graph_binding(0, {"x": (1, 3, 8, 8)}, {"x": 0x1000, "y": 0x2000}, {})
+    assert binding_unchanged(base, graph_binding(0, {"x": (1, 3, 8, 8)}, {"y": 0x2000, "x": 0x1000}, {}))
+    assert not binding_unchanged(None, base)  # nothing captured
+    for other in (graph_binding(0, {"x": (2, 3, 8, 8)}, {"x": 0x1000, "y": 0x2000}, {}),   # shape
+                  graph_binding(0, {"x": (1, 3, 8, 8)}, {"x": 0x3000, "y": 0x2000}, {}),   # buffer grown elsewhere
+                  graph_binding(1, {"x": (1, 3, 8, 8)}, {"x": 0x1000, "y": 0x2000}, {}),   # profile
+                  graph_binding(0, {"x": (1, 3, 8, 8)}, {"x": 0x1000, "y": 0x2000}, {"shape": 0x10})):
+        assert not binding_unchanged(base, other)
+
+
+def test_the_gpu_a_target_runs_on_is_found_by_its_pci_bus_id():
+    """nvidia-smi numbers GPUs by bus, CUDA fastest first: the runner selects the chosen GPU by PCI bus id."""
+    from tasks.backend import gpus_from_nvidia_smi
+
+    gpus = gpus_from_nvidia_smi("NVIDIA H100 80GB HBM3, 9.0, 580.95.05, 00000000:1B:00.0\n"
+                                "NVIDIA GeForce RTX 4090, D, 8.9, 580.95.05, 00000000:3D:00.0\n")
+    assert [(g.name, g.compute_capability, g.pci_bus_id) for g in gpus] == [
+        ("NVIDIA H100 80GB HBM3", "9.0", "00000000:1B:00.0"), ("NVIDIA GeForce RTX 4090, D", "8.9", "00000000:3D:00.0")]
+    assert gpus_from_nvidia_smi("") == ()
 
 
 # --- the three shapes of model, real engines --------------------------------------------------------------------
@@ -230,6 +255,7 @@ def test_gpu_multi_profile_engine_runs_feeds_of_every_profile(rtx, three_models,
             assert np.dot(got.ravel(), want.ravel()) / np.linalg.norm(got) / np.linalg.norm(want) > 0.9999
         t = runner.measure({"x": rng.standard_normal((4, 3, 32, 32)).astype(np.float32)}, 2, 5, 2)
         assert t["runs"] == 10 and 0 < t["p50_ms"] and t["h2d_ms"] > 0 and t["d2h_ms"] > 0 and t["profile"] == 1
+        assert t["cuda_graph"] == "off" and t["throughput_per_s"] < 4e3 / t["mean_ms"]  # copies count in throughput
         with pytest.raises(StageError, match="float64"):
             runner.infer({"x": np.zeros((1, 3, 8, 8))})
     assert (tmp_path / "rc" / "cache.bin").stat().st_size > 0  # compiled kernels kept for the next run
