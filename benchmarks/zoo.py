@@ -363,8 +363,9 @@ def build_models(names: list[str], precisions: list[str], target: str, tmp: Path
                 summary = json.loads((folder / "summary.json").read_text())
                 break
         if summary is None:
-            row["status"] = "error"
             row["reason"] = errors.pop(0) if errors else f"no summary (exit {code}): {stderr.strip()[-300:]}"
+            # a precision the engine would not compute (a model that arrives quantized): refused by design, with the fix
+            row["status"] = "refused" if row["reason"].startswith("[build] precision=") else "error"
         else:
             m = summary.get("metrics", {})
             row["status"] = summary["status"]

@@ -10,8 +10,6 @@ swapped in by replacing one symlink atomically.
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -21,42 +19,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from flows.locks import locked, named_lock, pid_alive  # noqa: F401  (named_lock: used by flows)
 from tasks.deps import changed, merge_deps, recording
 from tasks.util import StageResult, sha256_file, sha256_json, write_json
 
 CACHE_FORMAT = 2
-
-
-@contextlib.contextmanager
-def locked(path: Path) -> Iterator[None]:
-    """An exclusive lock (flock on `path`): released by the kernel when the holder dies, even by SIGKILL."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def named_lock(path: Path, what: str):
-    """An exclusive lock named after `path` (a result folder, a tracking store), kept in the temp dir: nothing is
-    written into `out_dir` before a result is."""
-    import hashlib
-    import tempfile
-
-    digest = hashlib.sha256(str(path).encode()).hexdigest()[:24]
-    return locked(Path(tempfile.gettempdir()) / "trtforge-locks" / f"{path.name}.{what}.{digest}.lock")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def temp_name(prefix: str) -> str:
@@ -74,7 +41,7 @@ def remove_dead_temps(folder: Path, prefix: str = "") -> list[Path]:
             pid = int(d.name.rsplit(".tmp-", 1)[1].split("-")[0])
         except (IndexError, ValueError):
             continue
-        if not _alive(pid):
+        if not pid_alive(pid):
             if d.is_symlink() or d.is_file():
                 d.unlink(missing_ok=True)
             else:

@@ -24,6 +24,8 @@ import urllib.request
 from pathlib import Path
 from typing import Iterator
 
+from flows.locks import named_lock, pid_alive
+
 IDLE_SECONDS = float(os.environ.get("TRTFORGE_SERVER_IDLE", "600"))
 STARTUP_SECONDS = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90"))
 
@@ -48,23 +50,13 @@ def healthy(api_url: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def running() -> dict | None:
     """The shared server's record when it answers, else None."""
     try:
         st = json.loads(state_file().read_text())
     except (OSError, ValueError):
         return None
-    return st if _alive(int(st.get("pid", 0))) and healthy(st["url"]) else None
+    return st if pid_alive(int(st.get("pid", 0))) and healthy(st["url"]) else None
 
 
 @contextlib.contextmanager
@@ -90,7 +82,6 @@ def ensure() -> str | None:
 
         if get_current_settings().api.url:
             return None
-    from flows.cache import named_lock
 
     d = lease_dir()
     d.mkdir(parents=True, exist_ok=True)
@@ -145,7 +136,7 @@ def busy() -> bool:
     """Whether a live build holds a lease (dead builds' leases are removed)."""
     live = False
     for f in lease_dir().glob("*"):
-        if f.name.isdigit() and _alive(int(f.name)):
+        if f.name.isdigit() and pid_alive(int(f.name)):
             live = True
         else:
             f.unlink(missing_ok=True)
@@ -193,14 +184,14 @@ def shutdown() -> bool:
     except (OSError, ValueError):
         return False
     pid = int(st.get("pid", 0))
-    if not _alive(pid):
+    if not pid_alive(pid):
         state_file().unlink(missing_ok=True)
         return False
     import signal
 
     os.kill(pid, signal.SIGTERM)
     for _ in range(80):
-        if not _alive(pid):
+        if not pid_alive(pid):
             break
         time.sleep(0.25)
     return True

@@ -27,8 +27,10 @@ def file_hash(result: StageResult, name: str) -> str:
 
 
 def prequantized(ctx: BuildContext) -> dict | None:
-    """The quantization a model arrived with (export found Q/DQ or dynamic quantization ops), else None."""
-    return ctx.results["export"].details.get("prequantized")
+    """The quantization a model arrived with (export found Q/DQ or dynamic quantization ops, and some is left in the
+    graph TensorRT gets: model.dequantize_dynamic makes a float model of a dynamically quantized one), else None."""
+    q = ctx.results["export"].details.get("prequantized")
+    return q if q and (q.get("computes") or q.get("dynamic_left")) else None
 
 
 def bound_text(constants: dict) -> str:
@@ -114,11 +116,12 @@ def _build_engines(ctx: BuildContext) -> StageResult:
     from tasks.build import add_metrics, as_baseline, onnx_at_precision
     from tasks.graph import load_onnx
     from tasks.precision import fp32_nodes_from_data
+    from tasks.prequant import precision_for
     from tasks.segments import segment_feeds
 
-    t = ctx.cfg.target
-    # a model that carries its own quantization is built as it is (its Q/DQ in int8, the rest fp32)
-    precision, label = ("fp32", ctx.cfg.precision.name) if prequantized(ctx) else (ctx.cfg.precision.baseline,) * 2
+    t, q = ctx.cfg.target, prequantized(ctx)  # a quantized model keeps it; its float part is what precision says
+    p = ctx.cfg.precision
+    precision, label = (precision_for(q, p.name), p.name) if q else (p.baseline, p.baseline)
     segs = trt_segments(ctx)
     # fp16: what the user's data holds decides which nodes stay fp32 (values beyond fp16's safe range)
     ranged = (ctx.data.calibration or ctx.data.validation) if precision == "fp16" else None
@@ -203,7 +206,7 @@ def engines_for(ctx: BuildContext, segs: list[dict], graphs: dict[int, Path], la
     t = ctx.cfg.target
     return engines_for_segments(segs, graphs, f"{ctx.cfg.model.name}.{t.name}.{label}", t.compute_capability,
                                 ctx.c("build"), ctx.backend, d, stage, f"{ctx.cfg.model.name} {t.name} {precision}",
-                                ctx.show_progress)
+                                ctx.show_progress, label=label)
 
 
 def validate(ctx: BuildContext) -> StageResult:

@@ -38,7 +38,7 @@ def use_experiment(name: str) -> str:
     """Point MLflow at the tracking store and the experiment `name`, creating it when missing; returns the URI."""
     import mlflow
 
-    from flows.cache import named_lock
+    from flows.locks import named_lock
 
     _quiet()
     uri = tracking_uri()
@@ -132,7 +132,7 @@ def end_orphans(experiment_id: str) -> list[str]:
     LEASE_SECONDS."""
     import time
 
-    from flows.cache import _alive
+    from flows.cache import pid_alive
 
     c = client()
     host, now = socket.gethostname(), time.time() * 1000
@@ -140,7 +140,7 @@ def end_orphans(experiment_id: str) -> list[str]:
     for run in c.search_runs([experiment_id], "attributes.status = 'RUNNING'", max_results=200):
         t = run.data.tags
         beat = float(t.get("trtforge.heartbeat") or run.info.start_time or now)
-        dead_here = t.get("trtforge.host") == host and t.get("trtforge.pid", "").isdigit() and not _alive(int(t["trtforge.pid"]))
+        dead_here = t.get("trtforge.host") == host and t.get("trtforge.pid", "").isdigit() and not pid_alive(int(t["trtforge.pid"]))
         if dead_here or now - beat > LEASE_SECONDS * 1000:
             why = "killed" if dead_here else f"no word from host {t.get('trtforge.host', '?')} for {LEASE_SECONDS} s"
             c.set_tag(run.info.run_id, "status", "failed")

@@ -46,18 +46,31 @@ def same_graph(a: Path, b: Path) -> bool:
 
 
 def onnx_at_precision(fp32_path: Path, precision: str, out_path: Path, keep_fp32: dict[str, float] | None = None) -> StageResult:
-    """Precision is a property of the graph (strongly typed networks): fp32 as is, fp16 converted (``keep_fp32``: values
-    whose nodes stay fp32, tasks.precision.fp32_nodes_from_data)."""
+    """Precision is a property of the graph (strongly typed networks): "as_is" (a model that arrived quantized, as
+    shipped), fp32 (a model that works in fp16 computed in fp32: its fp16 weights and casts upcast), fp16 converted
+    (``keep_fp32``: values whose nodes stay fp32, tasks.precision.fp32_nodes_from_data)."""
     t0 = time.perf_counter()
-    if precision == "fp32":
+    if precision == "as_is":
         shutil.copyfile(fp32_path, out_path)
         return StageResult(files={"onnx": out_path}, metrics={})
-    if precision != "fp16":
-        raise StageError(f"no graph conversion for precision {precision!r} in build (int8/fp8 come from calibrate)",
-                         stage="build")
     import onnx
 
     from .export import save_onnx
+
+    if precision == "fp32":
+        from .graph import fp32_from_fp16
+
+        model = onnx.load(str(fp32_path))
+        upcast = fp32_from_fp16(model)
+        if not upcast:
+            shutil.copyfile(fp32_path, out_path)
+            return StageResult(files={"onnx": out_path}, metrics={})
+        save_onnx(model, out_path)
+        return StageResult(files={"onnx": out_path}, metrics={"convert_seconds": time.perf_counter() - t0},
+                           details={"fp32_from_fp16": upcast})
+    if precision != "fp16":
+        raise StageError(f"no graph conversion for precision {precision!r} in build (int8/fp8 come from calibrate)",
+                         stage="build")
     from .precision import fp16_from_onnx
 
     try:
@@ -97,11 +110,20 @@ def engine_from_onnx(onnx_path: Path, engine_path: Path, profiles: list[dict], c
 
 def engines_for_segments(segments: list[dict], graphs: dict[int, Path], stem: str, compute_capability: str,
                          build_cfg: Any, backend: Backend, out_dir: Path, stage: str, title: str,
-                         show_progress: bool = True) -> StageResult:
+                         show_progress: bool = True, label: str | None = None) -> StageResult:
     """One engine per TensorRT segment from its graph (`graphs`: segment index -> ONNX), named `<stem>[.sg<i>].engine`,
-    with the precision profile of what was built (`flops_share`); build_seconds/engine_bytes summed over segments."""
-    from .flops import precision_profile
+    with the precision profile of what was built (`flops_share`); build_seconds/engine_bytes summed over segments.
+    ``label``: the precision the engines are named after; refused when the profile disagrees (tasks.flops)."""
+    from .flops import label_disagreement, precision_profile
 
+    # what the engines will compute, from the networks TensorRT parses, before the (longer) builds: the name must say it
+    prof = precision_profile([graphs[s["index"]] for s in segments], [s["profiles"] for s in segments], backend,
+                             out_dir, title)
+    wrong = label and label_disagreement(label, prof.metrics.get("flops_share"))
+    if wrong:
+        raise StageError(f"an engine named {label} would compute {wrong}", stage=stage,
+                         fix=f"build it at the precision it computes (precision=fp32 when fp16 keeps every layer in "
+                             f"fp32: see the conversion's reasons; build.fp16_data_max decides range-kept layers)")
     files, metrics, details = {}, {}, {"engines": [], "backend": backend.version, "compute_capability": compute_capability}
     for s in segments:
         eng = engine_from_onnx(graphs[s["index"]], out_dir / f"{stem}{s['name']}.engine", s["profiles"],
@@ -110,8 +132,6 @@ def engines_for_segments(segments: list[dict], graphs: dict[int, Path], stem: st
         add_metrics(metrics, eng.metrics, SHIPPED_METRICS)
         details["engines"].append({"segment": s["index"], "engine": eng.files["engine"].name,
                                    "onnx": Path(graphs[s["index"]]).name, "sha256": eng.details["sha256"]})
-    prof = precision_profile([graphs[s["index"]] for s in segments], [s["profiles"] for s in segments], backend,
-                             out_dir, title)
     files.update(prof.files)
     metrics.update(prof.metrics)
     details["precision_profile"] = prof.details

@@ -21,7 +21,7 @@ import numpy as np
 
 from .errors import AccuracyError, ConfigError, StageError, UnavailableError
 from .flops import onnx_flops
-from .graph import fold_constants, fp32_from_fp16, opset_of, uniquify_node_names
+from .graph import fold_constants, fp32_from_fp16, opset_of, uniquify_node_names, with_opset
 from .inputs import batch_size
 from .metrics import worst_feed_cosine
 from .ort import ort_runner, quiet_python_logging
@@ -244,16 +244,7 @@ def _prepare(src: Path, dst: Path, feeds: list[Feed], ref: list[dict]) -> tuple[
     if fp32_from_fp16(model):  # calibrated in fp32; the Q/DQ graph's remainder is made fp16 again on the way out
         info["fp16_upcast"] = True
     if info["opset_in"] < MIN_OPSET:
-        try:
-            from onnx import version_converter
-
-            model = version_converter.convert_version(model, MIN_OPSET)
-            info["opset_upgrade"] = "version_converter"
-        except Exception as e:  # noqa: BLE001 - fall back to relabelling the default domain
-            for o in model.opset_import:
-                if o.domain in ("", "ai.onnx"):
-                    o.version = MIN_OPSET
-            info["opset_upgrade"] = f"relabelled ({type(e).__name__}: {str(e)[:120]})"
+        model, info["opset_upgrade"] = with_opset(model, MIN_OPSET)
     info["opset"] = opset_of(model)
     if model.ir_version >= 4:
         info["constants_folded"] = fold_constants(model.graph)

@@ -306,6 +306,28 @@ def plot(rows: list[dict], metrics: dict, title: str, path: Path) -> Path:
     return path
 
 
+def label_disagreement(label: str, share: dict[str, float] | None) -> str | None:
+    """What an engine named ``label`` computes instead, from its ``flops_share``, or None when the name is true (or no
+    FLOPs were estimated). fp32: nothing below fp32; fp16: fp16 computes some of the float FLOPs (a model that arrives
+    quantized keeps its int8 layers: the float part is what fp16 names); int8/fp8: that precision computes some FLOPs
+    and the other 8-bit one none."""
+    if not share:
+        return None
+
+    def some(p: str) -> bool:
+        return share.get(p, 0.0) > 0.0
+
+    def shares() -> str:
+        return ", ".join(f"{p} {share[p]:.1%}" for p in PRECISIONS if share.get(p)) + " of its FLOPs"
+    if label == "fp32" and any(some(p) for p in ("fp16", "int8", "fp8")):
+        return shares()
+    if label == "fp16" and (not some("fp16") and some("fp32") or some("fp8")):
+        return shares()
+    if label in ("int8", "fp8") and (not some(label) or some({"int8": "fp8", "fp8": "int8"}[label])):
+        return shares()
+    return None
+
+
 def describe(metrics: dict) -> str:
     """One line: the FLOP shares and layer counts."""
     n = metrics["precision_layers"]

@@ -614,3 +614,17 @@ def fp32_from_fp16(model: onnx.ModelProto) -> int:
         g.node.append(helper.make_node("Cast", [inner], [out.name], to=H, name=fresh(out.name + "_to_fp16")))
         changed += 1
     return changed
+
+
+def with_opset(model: onnx.ModelProto, opset: int) -> tuple[onnx.ModelProto, str]:
+    """``model`` at default-domain ``opset`` (newer): onnx's version converter, or, where it cannot convert an op,
+    the opset relabelled (the ops used mean the same in both). Returns the model and how it was done."""
+    try:
+        from onnx import version_converter
+
+        return version_converter.convert_version(model, opset), "version_converter"
+    except Exception as e:  # noqa: BLE001 - fall back to relabelling the default domain
+        for o in model.opset_import:
+            if o.domain in ("", "ai.onnx"):
+                o.version = opset
+        return model, f"relabelled ({type(e).__name__}: {str(e)[:120]})"

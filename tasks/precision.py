@@ -14,8 +14,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .graph import (drop_initializer_inputs, fold_constants, name_allocator, names_in, node_inputs, subgraphs, toposort,
-                    uniquify_node_names)
+from .graph import (drop_initializer_inputs, fold_constants, name_allocator, names_in, node_inputs, opset_of, subgraphs,
+                    toposort, uniquify_node_names, with_opset)
 
 FP16_MAX = 65504.0
 # Initializers whose fp16 rounding error (relative L2) exceeds this keep their
@@ -134,6 +134,9 @@ def _fp16_from_onnx(model: onnx.ModelProto, keep_fp32: dict[str, float]) -> tupl
     g = m.graph
 
     drop_initializer_inputs(m)  # legacy IR < 4: initializers listed as inputs too (export does this already)
+    qdq_opset = any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in m.graph.node) and opset_of(m) < 19
+    if qdq_opset:  # the float part of a quantized model in fp16: fp16 Q/DQ scales need opset 19
+        m, _ = with_opset(m, 19)
     toposort(g)  # the passes below walk nodes in order (export sorts already)
     folded = fold_constants(g)
     uniquify_node_names(g)
@@ -189,6 +192,7 @@ def _fp16_from_onnx(model: onnx.ModelProto, keep_fp32: dict[str, float]) -> tupl
         "outer_scope_casts": outer_casts,
         "fp16_tensors_before": content["fp16_tensors"],
         "already_fp16": False,
+        "opset_upgraded_for_fp16_qdq": qdq_opset,
         "data_range": {n: v for n, v in data_range.items() if reasons.get(n) == "data_range"},
         "seconds": round(time.perf_counter() - t0, 3),
     }

@@ -43,6 +43,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from .errors import ConfigError
 from .graph import links, opset_of, prune_unused, replace_node, unique_name
 
 QDQ = ("QuantizeLinear", "DequantizeLinear")
@@ -222,7 +223,54 @@ def trt_from_prequantized(model: onnx.ModelProto, dequantize_dynamic: bool = Fal
         model = onnx.shape_inference.infer_shapes(model, data_prop=True)
     except Exception:  # a help for later passes, not a requirement
         pass
+    stats["computes"] = quantized_kind(model)  # what the graph TensorRT gets computes below float: int8, fp8 or None
+    stats["dynamic_left"] = sum(1 for n in model.graph.node if n.op_type in DYNAMIC_OPS)  # run natively
     return model, stats
+
+
+FP8_TYPES = {getattr(onnx.TensorProto, t) for t in ("FLOAT8E4M3FN", "FLOAT8E4M3FNUZ", "FLOAT8E5M2", "FLOAT8E5M2FNUZ")}
+INT8_TYPES = {onnx.TensorProto.INT8, onnx.TensorProto.UINT8}
+
+
+def quantized_kind(model: onnx.ModelProto) -> str | None:
+    """"fp8" or "int8" when the graph's DequantizeLinear nodes read 8-bit data (fp8 wins), else None: what its
+    quantized layers compute in TensorRT."""
+    g = model.graph
+    types = {t.name: t.data_type for t in g.initializer}
+    types.update({v.name: v.type.tensor_type.elem_type for v in (*g.input, *g.value_info, *g.output)})
+    for n in g.node:  # a DQ after a Q reads the Q's type (its zero point's, int8/uint8 by default)
+        if n.op_type == "QuantizeLinear" and n.output[0] not in types:
+            zp = n.input[2] if len(n.input) > 2 and n.input[2] else None
+            types[n.output[0]] = types.get(zp, onnx.TensorProto.UINT8) if zp else onnx.TensorProto.UINT8
+    kinds = {types.get(n.input[0]) for n in g.node if n.op_type == "DequantizeLinear"}
+    return "fp8" if kinds & FP8_TYPES else "int8" if kinds & INT8_TYPES else None
+
+
+def precision_for(q: dict, precision: str) -> str:
+    """The graph a model that arrived quantized is built from at ``precision``, so that the engine computes what its
+    name says: "as_is" (its own Q/DQ, its float part as shipped) when ``precision`` is what it is quantized to, "fp16"
+    (its float part in fp16, as ModelOpt writes them) at fp16, "fp32" for a model whose only quantization is dynamic
+    (run natively: its TensorRT part is float). Anything else would name a precision the engine does not compute:
+    ConfigError with the fix."""
+    kind, dynamic = q.get("computes"), q.get("dynamic_left", 0)
+    what = describe({k: q.get(k) for k in ("qdq", "dynamic", "qlinear")})
+    if kind is None:  # dynamic quantization only: TensorRT gets a float graph
+        if precision in ("fp32", "fp16"):
+            return precision
+        raise ConfigError(
+            f"precision={precision}: the model's quantization is dynamic ({dynamic} ops, run natively in ONNX Runtime), "
+            f"so its TensorRT engines compute float, not {precision}",
+            fix="build it at precision=fp16 or precision=fp32, or set model.dequantize_dynamic=true to dequantize it "
+                f"and calibrate it to {precision} for TensorRT")
+    if precision == "fp16":
+        return "fp16"
+    if precision == kind:
+        return "as_is"
+    raise ConfigError(
+        f"precision={precision}: the model arrives quantized to {kind} ({what}); its quantized layers compute {kind} "
+        f"whatever the precision, so an engine named {precision} would not compute {precision}",
+        fix=f"build it at precision={kind} (as shipped, its float part as it is) or precision=fp16 (its float part in "
+            "fp16)")
 
 
 def _per_channel_opset(model: onnx.ModelProto) -> tuple[onnx.ModelProto, bool]:

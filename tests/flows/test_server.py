@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.server import _alive, healthy
+from flows.server import pid_alive, healthy
 
 
 def cli(tmp: Path, conf: Path, *extra: str, env_extra: dict | None = None, wait: bool = True):
@@ -49,9 +49,9 @@ def test_builds_share_one_local_server_and_a_killed_build_leaves_nothing_running
     killed.send_signal(signal.SIGKILL)
     killed.wait()
     deadline = time.monotonic() + 60
-    while (_alive(state["pid"]) or server_processes(state["port"])) and time.monotonic() < deadline:
+    while (pid_alive(state["pid"]) or server_processes(state["port"])) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not _alive(state["pid"]) and not server_processes(state["port"]), "the server outlived its builds"
+    assert not pid_alive(state["pid"]) and not server_processes(state["port"]), "the server outlived its builds"
     assert not (tmp_path / "prefect" / "trtforge-server.json").exists()
     third = cli(tmp_path, user_config_dir, "precision=fp32", "target=sm_80", env_extra=idle)  # starts a new one
     assert third.returncode == 0, third.stdout[-2000:] + third.stderr[-2000:]

@@ -66,14 +66,40 @@ def test_symmetric_uint8_model_builds_an_int8_engine(prefect_harness, sources_di
 
 
 def test_dynamic_quantization_runs_natively_or_in_float_on_request(prefect_harness, sources_dir, tmp_path):
-    native = build(["model=dynamic", "precision=int8", "stages.benchmark=false"], sources_dir, tmp_path / "native")
+    """Dynamic quantization runs in ONNX Runtime: the engines compute float, so the build is named for the float part
+    (fp16 here); int8 would name a precision no engine computes and is refused with the fix; dequantized on request it
+    is a float model like any other (one engine)."""
+    from tasks.errors import ConfigError
+
+    native = build(["model=dynamic", "precision=fp16", "stages.benchmark=false"], sources_dir, tmp_path / "native")
     assert native["status"] == "ok", native.get("error")
-    assert "4 dynamic quantization ops" in native["stages"]["calibrate"]["reason"]
     assert native["metrics"]["fallback_nodes"] >= 4  # DynamicQuantizeLinear and ConvInteger run in ONNX Runtime
-    fl = build(["model=dynamic", "precision=int8", "stages.benchmark=false", "model.dequantize_dynamic=true"], sources_dir, tmp_path / "float")
+    assert ".sm_86.fp16." in native["engine"]["file"] and native["metrics"]["flops_share"]["fp16"] > 0.5
+    with pytest.raises(ConfigError) as e:
+        build(["model=dynamic", "precision=int8", "stages.benchmark=false"], sources_dir, tmp_path / "int8")
+    assert "quantization is dynamic" in e.value.message and "model.dequantize_dynamic=true" in e.value.fix
+    fl = build(["model=dynamic", "precision=fp32", "stages.benchmark=false", "model.dequantize_dynamic=true"], sources_dir, tmp_path / "float")
     assert fl["status"] == "ok", fl.get("error")
     assert fl["metrics"]["fallback_nodes"] == 0 and fl["metrics"]["trt_subgraphs"] == 1
+    assert fl["metrics"]["flops_share"]["fp32"] == 1.0
     assert fl["metrics"]["cosine_min"] > 0.999  # float weights vs the shipped dynamic quantization
+
+
+def test_a_quantized_model_is_named_for_what_its_engine_computes(prefect_harness, sources_dir, tmp_path):
+    """precision=fp16 on a model that arrives int8: its int8 layers stay int8, its float part runs in fp16 (the name
+    says fp16, flops_share agrees); precision=fp32 would name an engine that computes int8: refused, exit 2, no run."""
+    from tasks.errors import ConfigError
+
+    s = build(["model=static_u8", "precision=fp16", "stages.benchmark=false"], sources_dir, tmp_path / "fp16")
+    assert s["status"] == "ok", s.get("error")
+    share = s["metrics"]["flops_share"]
+    assert s["engine"]["file"].endswith(".fp16.engine") and share["int8"] > 0.5 and share["fp16"] > 0, share
+    assert share["fp32"] == 0.0, share
+    assert s["metrics"]["cosine_min"] > 0.999  # against the model as shipped
+    with pytest.raises(ConfigError) as e:
+        build(["model=static_u8", "precision=fp32", "stages.benchmark=false"], sources_dir, tmp_path / "fp32")
+    assert "arrives quantized to int8" in e.value.message and "precision=int8" in e.value.fix
+    assert not (tmp_path / "fp32" / "out").exists() or not list((tmp_path / "fp32" / "out").rglob("summary.json"))
 
 
 def test_cli_paddle_model_without_its_params_exits_2_with_no_run(tmp_path):

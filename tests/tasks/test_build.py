@@ -102,3 +102,31 @@ def test_engine_runs_on_the_gpu_and_matches_onnxruntime(tiny_onnx, tmp_path, rtx
         cos = float(np.dot(got.ravel(), want.ravel()) / np.linalg.norm(got) / np.linalg.norm(want))
         assert cos > 0.9999
         assert runner.measure(feed, 2, 5)["p50_ms"] > 0
+
+
+def test_a_model_that_works_in_fp16_is_computed_in_fp32_at_fp32(tmp_path):
+    """An fp16 model at precision=fp32 is upcast (weights, casts), so the engine named fp32 computes fp32; an fp32 model
+    passes through unchanged."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from tasks.build import onnx_at_precision
+
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((4, 3, 3, 3)).astype(np.float16), "w")
+    g = helper.make_graph([helper.make_node("Cast", ["x"], ["xh"], to=TensorProto.FLOAT16),
+                           helper.make_node("Conv", ["xh", "w"], ["yh"], pads=[1, 1, 1, 1]),
+                           helper.make_node("Cast", ["yh"], ["y"], to=TensorProto.FLOAT)], "half",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])], [w])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.save(m, tmp_path / "half.onnx")
+    r = onnx_at_precision(tmp_path / "half.onnx", "fp32", tmp_path / "out.onnx")
+    out = onnx.load(str(r.files["onnx"]))
+    assert r.details["fp32_from_fp16"] == 2  # the weight and the Cast to fp16
+    assert out.graph.initializer[0].data_type == TensorProto.FLOAT
+    assert all(a.i == TensorProto.FLOAT for n in out.graph.node if n.op_type == "Cast" for a in n.attribute)
+    x = {"x": np.random.default_rng(1).standard_normal((1, 3, 8, 8)).astype(np.float32)}
+    from tasks.ort import ort_run, ort_session
+    a, b = (ort_run(ort_session(p), x)["y"] for p in (tmp_path / "half.onnx", r.files["onnx"]))
+    assert np.abs(a - b).max() < 0.05  # the same function, in fp32 types

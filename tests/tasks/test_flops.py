@@ -153,3 +153,19 @@ def test_a_quantized_1d_conv_kept_fp32_by_range_reads_its_dq_directly_and_counts
     by_name = {row["name"]: row for row in p["layers"]}
     assert by_name["filterbank"]["precision"] == "int8", by_name["filterbank"]
     assert p["metrics"]["flops_share"]["int8"] > 0
+
+
+def test_a_label_must_name_what_the_engine_computes():
+    from tasks.flops import label_disagreement
+
+    share = lambda **k: {p: k.get(p, 0.0) for p in ("fp32", "fp16", "int8", "fp8")}  # noqa: E731
+    assert label_disagreement("fp32", share(fp32=1.0)) is None
+    assert label_disagreement("fp32", share(fp32=0.4, fp16=0.6)) == "fp32 40.0%, fp16 60.0% of its FLOPs"
+    assert label_disagreement("fp32", share(fp32=0.3, int8=0.7))  # a quantized model's int8 layers are not fp32
+    assert label_disagreement("fp16", share(fp16=0.9, fp32=0.1)) is None
+    assert label_disagreement("fp16", share(fp16=0.1, int8=0.9)) is None  # int8 model, its float part in fp16
+    assert label_disagreement("fp16", share(fp32=1.0))  # every layer kept fp32: not an fp16 engine
+    assert label_disagreement("int8", share(fp16=0.2, int8=0.8)) is None
+    assert label_disagreement("int8", share(fp32=1.0))
+    assert label_disagreement("fp8", share(fp16=0.5, int8=0.5))
+    assert label_disagreement("fp16", None) is None  # no FLOPs estimated: nothing to disagree with
