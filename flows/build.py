@@ -84,6 +84,11 @@ def publish(ctx: BuildContext) -> dict:
                 (tmp / fname).write_bytes(Path(r.files[key]).read_bytes())
     if "validate" in ctx.results:  # the accuracy verdict in words: what was measured, on what, and how strong it is
         summary["verdict"] = ctx.results["validate"].details.get("verdict")
+    if ctx.inputs.traffic is not None:  # the profiles from the traffic: coverage, outliers, the picture
+        from tasks.traffic import plot as traffic_plot
+        summary["traffic"] = ctx.inputs.traffic[1].as_dict()
+        summary["metrics"]["traffic_coverage"] = ctx.inputs.traffic[1].coverage
+        traffic_plot(*ctx.inputs.traffic, tmp / "traffic.png")
     data = ctx.data.summary()  # calibration / search / validation: disjoint sets, their samples and source
     if data:
         summary["data"] = data

@@ -166,6 +166,9 @@ def build_key(cfg: Any, config_dir: str | None = None) -> str:
         path = OmegaConf.select(cfg, key)
         if path:
             parts[key] = data_hash(path, key)
+    if (c["model"].get("traffic") or {}).get("source"):
+        from tasks.traffic import traffic_hash
+        parts["traffic"] = traffic_hash(c["model"]["traffic"]["source"], config_dir_search(config_dir))
     images = (c["model"].get("images") or {}).get("source")
     if images and not str(images).startswith("synthetic:"):
         from tasks.samples import list_images

@@ -138,8 +138,7 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> "BuildInputs":
     from tasks.inputs import load_data
 
     from tasks.backend import backend_for_target
-    from tasks.graph import load_onnx
-    from tasks.models import check_safe_name, graph_io, resolve_source
+    from tasks.models import check_safe_name
     from tasks.profiles import check_profiles, shape_rules
 
     m, t, p = cfg.model, cfg.target, cfg.precision
@@ -190,31 +189,7 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> "BuildInputs":
             raise ConfigError(f"model.images.source={src!r} is unknown", fix="use synthetic:text or a folder of images")
     search = config_dir_search(config_dir)
     backend = backend_for_target(t.name, t.backend, t.compute_capability, t.architecture, t.note)
-    prequant = None
-    if m.format in ("onnx", "paddle"):
-        src = resolve_source(m.source, search=search)
-        if m.format == "paddle":  # converted once here (content-addressed); export reuses the conversion
-            from flows.stages import paddle_cache
-            from tasks.paddle import converted_onnx
-            src = converted_onnx(src, paddle_cache(cfg))[0]
-        model = load_onnx(src)
-        inputs, outputs = graph_io(model)
-        from tasks.prequant import quantization_of
-        q = quantization_of(model)
-        prequant = q if any(q.values()) else None  # not recalibrated: needs no calibration data
-    else:
-        if not m.factory:
-            raise ConfigError("model.factory is not set for format=torch", fix="set model.factory=module.path:callable")
-        if not m.inputs:
-            raise ConfigError("model.inputs is empty for format=torch", fix="map each forward() argument to {shape: [...], dtype: float32}")
-        from tasks.models import TensorInfo
-        # the export makes dims that vary across a profile dynamic: the profile check must see them that way
-        varying = {(n, i) for prof in m.profiles for n, r in prof.items()
-                   for i, (lo, hi) in enumerate(zip(r.min, r.max)) if lo != hi}
-        inputs = [TensorInfo(n, s.dtype, [f"{n}_dim{i}" if (n, i) in varying else d for i, d in enumerate(s.shape)])
-                  for n, s in m.inputs.items()]
-        outputs = []
-        model = None
+    model, inputs, outputs, prequant = model_io(cfg, search)
     inputs = bind_constants(cfg, inputs)
     calibrates = bool(p.quantized) and not prequant
     if calibrates and not cal.data and m.images is None:
@@ -223,8 +198,19 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> "BuildInputs":
     if m.images is not None and m.images.input not in [i.name for i in inputs]:
         raise ConfigError(f"model.images.input={m.images.input!r} is not an input of the model",
                           fix=f"use one of {[i.name for i in inputs]}")
-    profiles = check_profiles(OmegaConf.to_container(m.profiles), inputs)
+    profiles, traffic = OmegaConf.to_container(m.profiles), None
+    if m.traffic.source:  # the profiles from the traffic (given profiles win and are checked against it)
+        from tasks.profiles import check_multiples, graph_ties, named_ties
+        from tasks.traffic import TrafficDraws, from_config
+        given = check_multiples(OmegaConf.to_container(m.shape_multiple), inputs)
+        ties = named_ties(inputs) + (graph_ties(model, inputs) if model is not None else [])
+        traffic = from_config(OmegaConf.to_container(m.traffic), inputs, model,
+                              check_profiles(profiles, inputs) if profiles else [], given, ties, search)
+        profiles = profiles or traffic[1].profiles
+    profiles = check_profiles(profiles, inputs)
     rules = shape_rules(inputs, profiles, model, OmegaConf.to_container(m.shape_multiple))
+    if traffic is not None:
+        rules.traffic = TrafficDraws(traffic[0])
     user = {}
     for key in ("calibration.data", "validation.data"):
         path = OmegaConf.select(cfg, key)
@@ -238,7 +224,38 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> "BuildInputs":
                       calibration_samples=cal.samples, validation_samples=cfg.validation.samples, seed=cfg.seed,
                       validation_seed=cfg.validation.seed)
     return BuildInputs(backend=backend, inputs=inputs, outputs=outputs, profiles=profiles, rules=rules, search=search,
-                       prequantized=prequant, data=data)
+                       prequantized=prequant, data=data, traffic=traffic)
+
+
+def model_io(cfg: DictConfig, search: list[Path]) -> tuple[Any, list, list, dict | None]:
+    """The model as preflight sees it: its ONNX graph (onnx, paddle; None for torch, exported later), inputs, outputs,
+    and the quantization it arrived with."""
+    from tasks.graph import load_onnx
+    from tasks.models import graph_io, resolve_source
+
+    m = cfg.model
+    if m.format in ("onnx", "paddle"):
+        src = resolve_source(m.source, search=search)
+        if m.format == "paddle":  # converted once here (content-addressed); export reuses the conversion
+            from flows.stages import paddle_cache
+            from tasks.paddle import converted_onnx
+            src = converted_onnx(src, paddle_cache(cfg))[0]
+        model = load_onnx(src)
+        inputs, outputs = graph_io(model)
+        from tasks.prequant import quantization_of
+        q = quantization_of(model)
+        return model, inputs, outputs, (q if any(q.values()) else None)  # not recalibrated: needs no calibration data
+    if not m.factory:
+        raise ConfigError("model.factory is not set for format=torch", fix="set model.factory=module.path:callable")
+    if not m.inputs:
+        raise ConfigError("model.inputs is empty for format=torch", fix="map each forward() argument to {shape: [...], dtype: float32}")
+    from tasks.models import TensorInfo
+    # the export makes dims that vary across a profile (or the traffic) dynamic: the profile check must see them so
+    varying = {(n, i) for prof in m.profiles for n, r in prof.items()
+               for i, (lo, hi) in enumerate(zip(r.min, r.max)) if lo != hi}
+    inputs = [TensorInfo(n, s.dtype, [f"{n}_dim{i}" if (n, i) in varying else d for i, d in enumerate(s.shape)])
+              for n, s in m.inputs.items()]
+    return None, inputs, [], None
 
 
 def bind_constants(cfg: DictConfig, inputs: list) -> list:

@@ -48,6 +48,7 @@ class BuildInputs:
     search: list[Path]  # where relative model sources resolve (the user's config dir)
     prequantized: dict | None  # the quantization the model arrived with (Q/DQ, dynamic, QLinear), else None
     data: DataSplit  # calibration / search / validation sets
+    traffic: Any = None  # (tasks.traffic.Traffic, Proposal) when model.traffic is set
 
 
 @dataclass

@@ -220,6 +220,8 @@ def calibration_shapes(profile: dict, n: int, rng: np.random.Generator, rules: S
     """n single-sample shapes around the opt shape (batch 1; other dims scaled by a random factor, kept inside the
     profile and on their steps, tied dims alike): calibration sees content at several scales without max-size cost."""
     rules = rules or ShapeRules()
+    if rules.traffic is not None:  # requests as they arrive (weighted by count), one sample each
+        return [_fixed(s) for s in rules.traffic.draw_single(profile, n, rng)]
     steps = rules.group_steps(profile)
     shapes = []
     for i in range(n):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import difflib
+from typing import Any
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -106,6 +107,7 @@ class ShapeRules:
     ties: list[DimTie] = field(default_factory=list)
     multiples: dict[str, list[int]] = field(default_factory=dict)
     inferred: dict[str, list[int]] = field(default_factory=dict)
+    traffic: Any = None  # tasks.traffic.TrafficDraws: random shapes are drawn from the traffic's mix, weighted
 
     def __post_init__(self) -> None:
         self._parent: dict[Dim, Dim] = {}
@@ -135,7 +137,8 @@ class ShapeRules:
 
     def as_dict(self) -> dict:
         return {"ties": [{"a": list(t.a), "b": list(t.b), "why": t.why, "kind": t.kind} for t in self.ties],
-                "multiples": self.multiples, "inferred_multiples": self.inferred}
+                "multiples": self.multiples, "inferred_multiples": self.inferred,
+                **({"traffic": self.traffic.as_dict()} if self.traffic is not None else {})}
 
 
 def named_ties(inputs: list[TensorInfo]) -> list[DimTie]:
@@ -302,6 +305,9 @@ def shapes_in_profile(profile: Profile, n_random: int, rng: np.random.Generator,
     """min, opt, max (without repeats: a static profile has one), then n_random random shapes in between, each kept
     even where it repeats a shape (a new draw of content): one value per group of tied dims, on each group's step."""
     rules = rules or ShapeRules()
+    drawn_from_traffic = rules.traffic.draw(profile, n_random, rng) if rules.traffic is not None else None
+    if drawn_from_traffic is not None:  # the opt shape, then requests as they arrive (weighted by their count)
+        return [{n: list(r["opt"]) for n, r in profile.items()}] + drawn_from_traffic
     steps = rules.group_steps(profile)
     shapes = [{n: list(r[w]) for n, r in profile.items()} for w in ("min", "opt", "max")]
     for _ in range(n_random):

@@ -21,7 +21,7 @@ STATUS_COLOR = {"ok": "#2e7d32", "cached": "#0277bd", "skipped": "#9e9e9e", "fai
 PRECISION_COLOR = {"fp32": "#5c6bc0", "fp16": "#26a69a", "int8": "#ffa726", "fp8": "#ef5350"}
 # pictures made by the stages: file name -> caption (others found beside summary.json are shown under "more figures")
 STAGE_FIGURES = {"partition.png": "partition", "sensitivity.png": "sensitivity"}
-OWN_FIGURES = ("accuracy.png", "latency.png", "precision_profile.png")
+OWN_FIGURES = ("accuracy.png", "latency.png", "precision_profile.png", "traffic.png")
 
 CSS = """
 body{font:14px/1.45 "DejaVu Sans",system-ui,sans-serif;margin:0;color:#212121;background:#fafafa}
@@ -221,7 +221,7 @@ def report_html(out_dir: Path) -> str:
              "reports beside it; what was not measured is not shown.</p>"]
     if s.get("error"):
         parts.append(f'<p class="err">{esc(s["error"])}</p>')
-    parts += [_stages(s), _partition(s, docs["partition"], out_dir), _accuracy(s, docs["validation"], out_dir),
+    parts += [_stages(s), _partition(s, docs["partition"], out_dir), _traffic(s, out_dir), _accuracy(s, docs["validation"], out_dir),
               _quantization(s, docs["sensitivity"], out_dir), _precision_profile(s, out_dir), _benchmark(s, docs["benchmark"], out_dir),
               _engines(s), _more_figures(out_dir), _metrics(s), _warnings(s, docs), _config(s, out_dir)]
     return page(f"trtforge: {title}", "".join(p for p in parts if p))
@@ -334,6 +334,27 @@ def _method_text(segment: dict) -> str:
     counts = collections.Counter((segment.get("range_choice") or {}).values())
     more = ", ".join(f"{m} for {n} layer{'s' if n > 1 else ''}" for m, n in sorted(counts.items()))
     return f"{segment.get('method')}" + (f"; range from {more}" if more else "")
+
+
+def _traffic(s: dict, out_dir: Path) -> str:
+    t = s.get("traffic")
+    if not isinstance(t, dict):
+        return ""
+    rows = []
+    for k, prof in enumerate(t.get("profiles") or []):
+        shapes = "<br>".join(f"{esc(n)}: {esc(r['min'])} … opt {esc(r['opt'])} … {esc(r['max'])}" for n, r in prof.items())
+        served = t["per_profile"][k]
+        rows.append([f"profile {k}", shapes, num("summary", f"traffic.per_profile[{k}]", served, f"{served:,}"),
+                     f"{100 * served / t['requests']:.2f} %" if t.get("requests") else ""])
+    out = sum(o.get("count", 0) for o in t.get("outliers") or [])
+    rows.append(["outliers", "<br>".join(esc(", ".join(f"{k}={v}" for k, v in o.items())) for o in t["outliers"][:8]),
+                 f"{out:,}", f"{100 * out / t['requests']:.2f} %" if t.get("requests") else ""])
+    cov = num("summary", "metrics.traffic_coverage", t["coverage"], f"{100 * t['coverage']:.3f} %")
+    head = (f"<h2>Traffic</h2><p>{t['requests']:,} requests, {cov} covered by "
+            f"{len(t.get('profiles') or [])} profile(s); {esc(t.get('k_reason', ''))}; cost: {esc(t.get('cost', ''))}</p>")
+    return (head + table(["", "min … opt … max", "requests", "share"], rows, numeric=[2, 3])
+            + (img(out_dir / "traffic.png", "the traffic's requests with the profiles' boxes (x: opt)")
+               if (out_dir / "traffic.png").is_file() else ""))
 
 
 def _precision_profile(s: dict, out_dir: Path) -> str:

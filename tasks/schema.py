@@ -42,6 +42,17 @@ class ImageRecipe:
 
 
 @dataclass
+class TrafficConfig:
+    """The shapes a service sees (tasks/traffic.py): the profiles are proposed from them, data drawn from their mix."""
+
+    # a .jsonl of request shapes ({"x": [1, 3, 736, 1312], "count": 42}) or a folder of .npz/.npy; None: no traffic
+    source: Optional[str] = None
+    profiles: Optional[int] = None  # how many profiles; None: trtforge chooses (and says why)
+    coverage: float = 0.999  # share of requests the profiles must cover; rarer extremes are left out and listed
+    max_activation_mib: Optional[float] = None  # no profile's max may need more activation memory (estimated)
+
+
+@dataclass
 class ModelConfig:
     name: str = MISSING
     format: str = "onnx"  # onnx | torch | paddle
@@ -64,6 +75,8 @@ class ModelConfig:
     # inputs bound to a fixed value (e.g. {sr: 16000}): export makes them initializers and folds the If nodes they
     # decide; they are no model inputs any more (no profile, no data), and the engine is specialised for them
     constants: Dict[str, Any] = field(default_factory=dict)
+    # shape profiles from real traffic (model.profiles, when also given, wins and is checked against it)
+    traffic: TrafficConfig = field(default_factory=TrafficConfig)
 
 
 @dataclass
