@@ -28,7 +28,7 @@ from flows.cache import (StageCache, build_key, new_result_dir, named_lock, publ
 from flows.cli import expand_overrides, parse_args, print_stage, print_summary  # noqa: E402
 from flows.config import compose_config, flat_params, preflight  # noqa: E402
 from flows.sweep import jobs, run_sweep  # noqa: E402
-from flows.tracking import end_run, run_matches  # noqa: E402
+from flows.tracking import end_run, run_matches, warm  # noqa: E402
 from tasks.errors import TrtforgeError, cause  # noqa: E402
 from tasks.report import write_report  # noqa: E402
 from tasks.util import write_json  # noqa: E402
@@ -174,6 +174,8 @@ def run_build(cfg: DictConfig, config_dir: str | None = None, show_progress: boo
         with named_lock(result_dir(cfg), "build"):
             done = up_to_date(cfg, key)
             if done is None:
+                # Prefect (when the shared server already answers) and MLflow load in the background meanwhile
+                warm(prefect=prefect_server.found())
                 identity = BuildIdentity(
                     cache_key=key, build_id=uuid.uuid4().hex, tolerance=tolerance, started=started,
                     config_dir=str(Path(config_dir).expanduser().resolve()) if config_dir else "",

@@ -94,6 +94,23 @@ def ensure() -> str | None:
     return st["url"]
 
 
+def found() -> bool:
+    """Point this process at the shared server when one already answers (nothing is started): Prefect can then be
+    imported early, while the build does its own work (Prefect reads PREFECT_API_URL when it is imported)."""
+    if os.environ.get("PREFECT_API_URL"):
+        return True
+    if os.environ.get("TRTFORGE_PREFECT") == "ephemeral" or "prefect" in sys.modules:
+        return False
+    st = running()
+    if st is None:
+        return False
+    d = lease_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    (d / str(os.getpid())).touch()
+    os.environ["PREFECT_API_URL"] = st["url"]
+    return True
+
+
 def start() -> dict:
     """Start the watchdog (which starts the server) detached from this process, and wait until it answers."""
     from tasks.errors import UnavailableError

@@ -117,7 +117,6 @@ def _build_engines(ctx: BuildContext) -> StageResult:
     from tasks.graph import load_onnx
     from tasks.precision import fp32_nodes_from_data
     from tasks.prequant import precision_for
-    from tasks.segments import segment_feeds
 
     t, q = ctx.cfg.target, prequantized(ctx)  # a quantized model keeps it; its float part is what precision says
     p = ctx.cfg.precision
@@ -129,14 +128,11 @@ def _build_engines(ctx: BuildContext) -> StageResult:
              "build": ctx.c("build"), "backend": ctx.backend.version, "compute_capability": t.compute_capability,
              "range_data": ranged.key if ranged else None}
 
-    def keep_fp32(seg: dict) -> dict:  # values beyond fp16's safe range on what this segment sees of the data
-        return fp32_nodes_from_data(load_onnx(seg["onnx"]), segment_feeds(
-            ctx.results["export"].files["onnx"], ctx.results["partition"].details, seg["index"], ranged.feeds),
-            ctx.cfg.build.fp16_data_max)
-
-    def work(d: Path) -> StageResult:
+    def work(d: Path) -> StageResult:  # values beyond fp16's safe range: one run of the whole model (segments keep names)
+        keep = fp32_nodes_from_data(load_onnx(ctx.results["export"].files["onnx"]), ranged.feeds,
+                                    ctx.cfg.build.fp16_data_max) if ranged else None
         convs = {s["index"]: onnx_at_precision(s["onnx"], precision, d / f"{ctx.cfg.model.name}.{t.name}.{label}{s['name']}.onnx",
-                                               keep_fp32(s) if ranged else None) for s in segs}
+                                               keep) for s in segs}
         r = engines_for(ctx, segs, {i: c.files["onnx"] for i, c in convs.items()}, label, precision, d, "build")
         for i, c in convs.items():
             r.files[f"onnx{i}"] = c.files["onnx"]

@@ -54,6 +54,30 @@ def use_experiment(name: str) -> str:
     return uri
 
 
+def warm(prefect: bool = False) -> None:
+    """Import MLflow and open the tracking store (and Prefect, when ``prefect``: its API URL must be set) in a
+    background thread, while the build does its own work: seconds of imports and store set-up off the critical path.
+    Errors are left for the real calls to report."""
+    import threading
+
+    def work() -> None:
+        try:
+            if prefect:
+                import prefect as _  # noqa: F401
+                import prefect.cache_policies  # noqa: F401
+            from flows.locks import named_lock
+
+            uri = tracking_uri()
+            c = client()
+            with named_lock(Path(uri), "mlflow-store"):  # a new store creates its tables: one build at a time
+                c._tracking_client.store  # noqa: B018  (MLflow caches the store per URI)
+            c._get_registry_client().store  # noqa: B018
+        except Exception:  # noqa: BLE001 - the build's own calls report what is wrong
+            pass
+
+    threading.Thread(target=work, name="trtforge-warm", daemon=True).start()
+
+
 def _quiet() -> None:
     for name in ("alembic", "mlflow", "urllib3", "httpx", "sqlalchemy"):
         logging.getLogger(name).setLevel(logging.WARNING)
