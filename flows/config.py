@@ -227,6 +227,11 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> "BuildInputs":
                        prequantized=prequant, data=data, traffic=traffic)
 
 
+def paddle_cache(cfg) -> Path:
+    """Where Paddle conversions are kept (preflight reads the model's inputs from them; export reuses them)."""
+    return Path(cfg.cache_dir) / "paddle"
+
+
 def model_io(cfg: DictConfig, search: list[Path]) -> tuple[Any, list, list, dict | None]:
     """The model as preflight sees it: its ONNX graph (onnx, paddle; None for torch, exported later), inputs, outputs,
     and the quantization it arrived with."""
@@ -237,7 +242,6 @@ def model_io(cfg: DictConfig, search: list[Path]) -> tuple[Any, list, list, dict
     if m.format in ("onnx", "paddle"):
         src = resolve_source(m.source, search=search)
         if m.format == "paddle":  # converted once here (content-addressed); export reuses the conversion
-            from flows.stages import paddle_cache
             from tasks.paddle import converted_onnx
             src = converted_onnx(src, paddle_cache(cfg))[0]
         model = load_onnx(src)

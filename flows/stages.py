@@ -7,19 +7,16 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+from flows.config import paddle_cache
 from flows.context import BuildContext, Skip, sample_progress
 from flows.runners import candidate_runner, deliverable
 from tasks import backend as trt_backend
 from tasks.build import engines_of, same_graph
 from tasks.errors import StageError, TrtforgeError
+from tasks.export import constants_text
 from tasks.util import StageResult, sha256_file
 
 STAGE_NAMES = ("export", "partition", "build", "calibrate", "validate", "benchmark")
-
-
-def paddle_cache(cfg) -> Path:
-    """Where Paddle conversions are kept (preflight reads the model's inputs from them; export reuses them)."""
-    return Path(cfg.cache_dir) / "paddle"
 
 
 def file_hash(result: StageResult, name: str) -> str:
@@ -27,14 +24,9 @@ def file_hash(result: StageResult, name: str) -> str:
 
 
 def prequantized(ctx: BuildContext) -> dict | None:
-    """The quantization a model arrived with (export found Q/DQ or dynamic quantization ops, and some is left in the
-    graph TensorRT gets: model.dequantize_dynamic makes a float model of a dynamically quantized one), else None."""
+    """The quantization a model arrived with, if the graph TensorRT gets keeps some (dequantize_dynamic: none)."""
     q = ctx.results["export"].details.get("prequantized")
     return q if q and (q.get("computes") or q.get("dynamic_left")) else None
-
-
-def bound_text(constants: dict) -> str:
-    return ", ".join(f"{k}={v}" for k, v in constants.items())
 
 
 # --- the six stages ------------------------------------------------------------------------------------------
@@ -56,7 +48,7 @@ def export(ctx: BuildContext) -> StageResult:
 
     r = ctx.cached("export", parts, work)
     if m["constants"]:
-        ctx.warn("export", f"the engine is specialised for {bound_text(m['constants'])} (model.constants): those inputs "
+        ctx.warn("export", f"the engine is specialised for {constants_text(m['constants'])} (model.constants): those inputs "
                            "are gone, and the fp32 reference is the model with them bound")
         for n in r.details.get("constants", []):
             if n.startswith("WARNING: "):
@@ -92,24 +84,35 @@ def trt_segments(ctx: BuildContext) -> list[dict]:
     return segments(plan.details, plan.files, ctx.results["export"].files["onnx"], ctx.inputs.profiles)
 
 
+MAX_REPLANS = 4  # builds re-planned after a failure, at most
+
+
 def build(ctx: BuildContext) -> StageResult:
     """The baseline engine(s), one per TensorRT segment: fp32 or fp16 graph (int8/fp8: quantized ones in calibrate).
-    TensorRT can parse control flow and still fail to build it: then it runs in ONNX Runtime (re-planned, said)."""
-    from tasks.partition import without_control_flow
+    A segment TensorRT cannot build runs what fails in ONNX Runtime, re-planned and said (tasks.partition.build_fallback)."""
+    from tasks.build import build_error
+    from tasks.inputs import generated_feeds
+    from tasks.partition import build_fallback
 
-    try:
-        return _build_engines(ctx)
-    except StageError as e:
-        replan = without_control_flow(ctx.results["export"].files["onnx"], ctx.c("partition"))
-        if replan is None:
-            raise
-        plan = partition(ctx, replan[0])
-        ctx.results["partition"] = plan
-        ctx.metrics.update(plan.metrics)
-        ctx.stages["partition"]["note"] = (
-            f"re-planned after the TensorRT build failed ({e.message}): {', '.join(replan[1])} nodes run in "
-            f"ONNX Runtime (partition.control_flow_fallback=true)")
-        return _build_engines(ctx)
+    i, notes, cfg, t = ctx.inputs, [], ctx.c("partition"), ctx.cfg.target
+    for attempt in range(MAX_REPLANS + 1):
+        try:
+            r = _build_engines(ctx)
+            break
+        except StageError as e:
+            replan = None if attempt == MAX_REPLANS else build_fallback(
+                cfg, ctx.results["export"].files["onnx"], ctx.results["partition"].details, e,
+                lambda: generated_feeds(i.inputs, i.profiles[:1], 0, ctx.cfg.seed, rules=i.rules),
+                lambda m, p: build_error(m, p, ctx.cfg.precision.baseline, t.compute_capability, ctx.c("build"), ctx.backend))
+            if replan is None:
+                raise
+            cfg, note = replan
+            ctx.results["partition"] = plan = partition(ctx, cfg)
+            ctx.metrics.update(plan.metrics)
+            notes.append(note)
+    if notes:
+        ctx.stages["partition"]["note"] = "; ".join(notes)
+    return r
 
 
 def _build_engines(ctx: BuildContext) -> StageResult:
@@ -216,7 +219,7 @@ def validate(ctx: BuildContext) -> StageResult:
     reference = ref.files.get("reference", ref.files["onnx"])  # a pre-quantized model: as shipped, in ONNX Runtime
     reference_label = "the model as shipped" if "reference" in ref.files else "fp32"
     if ctx.cfg.model.constants:
-        reference_label += f" with {bound_text(ctx.c('model.constants'))} bound (model.constants)"
+        reference_label += f" with {constants_text(ctx.c('model.constants'))} bound (model.constants)"
     ctx.stages.setdefault("validate", {})["reference"] = reference_label
     cc = ctx.cfg.target.compute_capability
     gpu = trt_backend.gpu_for(cc) if ctx.cfg.validation.engine else None

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from .backend import Backend, progress_monitor
-from .errors import StageError
+from .errors import SegmentBuildError, StageError
 from .native import quiet_native
 from .util import StageResult, sha256_file
 
@@ -81,6 +81,27 @@ def onnx_at_precision(fp32_path: Path, precision: str, out_path: Path, keep_fp32
     return StageResult(files={"onnx": out_path}, metrics={"convert_seconds": time.perf_counter() - t0}, details=stats)
 
 
+def build_error(model, profiles: list[dict], precision: str, compute_capability: str, build_cfg: Any,
+                backend: Backend) -> str | None:
+    """Whether a (sub)graph builds at ``precision`` as the build stage would build it: None, or the builder's words.
+    For the fallback's bisection (tasks.partition.failing_node)."""
+    import tempfile
+
+    import onnx
+
+    with tempfile.TemporaryDirectory(prefix="trtforge-reduce-") as d:
+        path = Path(d) / "sub.onnx"
+        onnx.save(model, str(path))
+        try:
+            graph = onnx_at_precision(path, precision if precision in ("fp16", "fp32") else "as_is",
+                                      Path(d) / "sub.p.onnx").files["onnx"]
+            backend.build_engine(str(graph), profiles, compute_capability, optimization_level=build_cfg["optimization_level"],
+                                 workspace_mib=build_cfg["workspace_mib"], stage="build")
+        except StageError as e:
+            return e.message
+    return None
+
+
 def engine_from_onnx(onnx_path: Path, engine_path: Path, profiles: list[dict], compute_capability: str,
                      build_cfg: Any, backend: Backend, show_progress: bool = True, stage: str = "build") -> StageResult:
     """Build one engine from one ONNX file; GPU-less noise is captured, a Rich progress bar is drawn."""
@@ -126,8 +147,13 @@ def engines_for_segments(segments: list[dict], graphs: dict[int, Path], stem: st
                              f"fp32: see the conversion's reasons; build.fp16_data_max decides range-kept layers)")
     files, metrics, details = {}, {}, {"engines": [], "backend": backend.version, "compute_capability": compute_capability}
     for s in segments:
-        eng = engine_from_onnx(graphs[s["index"]], out_dir / f"{stem}{s['name']}.engine", s["profiles"],
-                               compute_capability, build_cfg, backend, show_progress=show_progress, stage=stage)
+        try:
+            eng = engine_from_onnx(graphs[s["index"]], out_dir / f"{stem}{s['name']}.engine", s["profiles"],
+                                   compute_capability, build_cfg, backend, show_progress=show_progress, stage=stage)
+        except SegmentBuildError:
+            raise
+        except StageError as e:  # which segment: the fallback (tasks.partition.build_fallback) narrows it down
+            raise SegmentBuildError(e.message, segment=s["index"], stage=e.stage, file=e.file, fix=e.fix) from e
         files[f"engine{s['index']}"] = eng.files["engine"]
         add_metrics(metrics, eng.metrics, SHIPPED_METRICS)
         details["engines"].append({"segment": s["index"], "engine": eng.files["engine"].name,

@@ -38,6 +38,14 @@ class StageError(TrtforgeError):
     exit_code = 1
 
 
+class SegmentBuildError(StageError):
+    """TensorRT could not build one TensorRT segment's engine (``segment``: its index in the partition plan)."""
+
+    def __init__(self, message: str, *, segment: int, **kw):
+        self.segment = segment
+        super().__init__(message, **kw)
+
+
 class AccuracyError(StageError):
     """The result is outside the accuracy budget."""
 

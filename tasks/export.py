@@ -87,6 +87,11 @@ def onnx_from_model(model_cfg: Any, profiles: list[dict], out_path: Path, search
     )
 
 
+def constants_text(constants: dict) -> str:
+    """model.constants as words: "sr=16000, ..."."""
+    return ", ".join(f"{k}={v}" for k, v in constants.items())
+
+
 def save_onnx(model, path: Path) -> None:
     import onnx
 

@@ -67,11 +67,17 @@ def plan_from_onnx(onnx_path: Path, partition_cfg: Any, backend: Backend, out_di
     for sg in supported:
         keep = [i for i in sg if nodes[i].op_type not in exclude and i not in foreign]
         trt_nodes.update(keep)
+    # nodes TensorRT parsed but could not build (the build stage's fallback found them): native, with the builder's words
+    for k, why in (partition_cfg.get("exclude_nodes") or {}).items():
+        if 0 <= int(k) < len(nodes):
+            trt_nodes.discard(int(k))
+            reasons[int(k)] = why
     for i in range(len(nodes)):
         if nodes[i].op_type in exclude:
             reasons[i] = f"excluded by partition.exclude_ops ({nodes[i].op_type})"
         elif i not in trt_nodes:
             reasons.setdefault(i, "outside every subgraph the TensorRT parser supports")
+    native_shape_inputs(nodes, trt_nodes, reasons)
     segments = segments_from_assignment(model, trt_nodes)
     hybrid = any(s.kind == "native" for s in segments)
     if hybrid:  # Paddle's min_subgraph_size: small TensorRT islands stay native
@@ -83,6 +89,7 @@ def plan_from_onnx(onnx_path: Path, partition_cfg: Any, backend: Backend, out_di
                     reasons[i] = f"in a TensorRT subgraph of {len(s.nodes)} nodes < partition.min_subgraph_size={min_size}"
         if small:
             trt_nodes -= set(small)
+            native_shape_inputs(nodes, trt_nodes, reasons)
             segments = segments_from_assignment(model, trt_nodes)
     fallback = [i for i in range(len(nodes)) if i not in trt_nodes]
     fallback_nodes = [{"index": i, "name": nodes[i].name, "op": nodes[i].op_type,
@@ -137,6 +144,35 @@ def plan_from_onnx(onnx_path: Path, partition_cfg: Any, backend: Backend, out_di
     metrics = {"trt_subgraphs": len(trt_segments), "fallback_nodes": len(fallback),
                "trt_nodes": len(trt_nodes), "partition_seconds": time.perf_counter() - t0}
     return StageResult(files=files, metrics=metrics, details=plan)
+
+
+# inputs TensorRT reads as shape tensors (values needed at build time, per profile), by op and input position
+SHAPE_INPUTS = {"Reshape": (1,), "Expand": (1,), "Tile": (1,), "Slice": (1, 2, 3, 4), "ConstantOfShape": (0,),
+                "Resize": (1, 2, 3), "Upsample": (1,), "Pad": (1, 3), "TopK": (1,), "Range": (0, 1, 2), "OneHot": (1,),
+                "Squeeze": (1,), "Unsqueeze": (1,), "ReduceSum": (1,), "ReduceMean": (1,), "ReduceMax": (1,),
+                "ReduceMin": (1,), "ReduceProd": (1,), "ReduceL2": (1,), "CumSum": (1,), "Split": (1,),
+                "NonMaxSuppression": (2,), "RandomNormalLike": (), "Trilu": (1,)}
+
+
+def native_shape_inputs(nodes, trt_nodes: set[int], reasons: dict[int, str]) -> None:
+    """Never cut at a shape tensor: a TensorRT node whose shape input (a Reshape's shape, a Slice's starts, ...) comes
+    from a node that runs natively would make it a segment input whose values the engine needs at build time; such a
+    node runs natively too (repeated until no cut is left)."""
+    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    changed = True
+    while changed:
+        changed = False
+        for i in sorted(trt_nodes):
+            n = nodes[i]
+            for pos in SHAPE_INPUTS.get(n.op_type, ()):
+                x = n.input[pos] if pos < len(n.input) else ""
+                j = producer.get(x)
+                if x and j is not None and j not in trt_nodes:
+                    trt_nodes.discard(i)
+                    reasons[i] = (f"reads {x!r} as a shape (input {pos} of {n.op_type}) from a node that runs in ONNX "
+                                  "Runtime: a segment input TensorRT would need the values of at build time")
+                    changed = True
+                    break
 
 
 def _shape_ranges(model, names: list[str], feeds: list, onnx_path: Path) -> dict[str, dict]:
@@ -253,3 +289,76 @@ def without_control_flow(onnx_path: Path, partition_cfg: dict) -> tuple[dict, li
         return None
     exclude = list(partition_cfg["exclude_ops"]) + [op for op in present if op not in partition_cfg["exclude_ops"]]
     return {**partition_cfg, "exclude_ops": exclude}, present
+
+
+MAX_REDUCE_BUILDS = 16  # builds one bisection may try (a segment of n nodes needs about log2(n))
+
+
+def failing_node(onnx_path: Path, nodes: list[int], feeds: list[dict[str, np.ndarray]],
+                 build: Callable[[Any, list[dict]], str | None], cap: int = MAX_REDUCE_BUILDS) -> tuple[int, str, int] | None:
+    """The node of a TensorRT segment (``nodes``, in graph order) that its engine fails on, as Polygraphy's
+    ``debug reduce`` finds it: bisect on prefixes of the segment, each built alone (``build(model, profiles)``: None
+    or the builder's words) with its boundary shapes from ONNX Runtime runs on ``feeds`` ([min, opt, max] of the
+    first profile). Returns (node index, the builder's words, builds tried), or None when no single node is found
+    within ``cap`` builds."""
+    import onnx
+
+    from .segments import io_of, submodel
+
+    model = onnx.load(str(onnx_path))
+    every = [o for i in nodes for o in model.graph.node[i].output if o] + \
+        [x for i in nodes for x in model.graph.node[i].input if x]
+    shapes = _shape_ranges(model, list(dict.fromkeys(every)), feeds, onnx_path)
+    lo, hi, words, tries = 0, len(nodes), None, 0
+    while hi - lo > 1 and tries < cap:
+        mid = (lo + hi) // 2
+        ins, outs = io_of(model, nodes[:mid])
+        if any(n not in shapes for n in ins + outs):
+            return None
+        sub = submodel(model, nodes[:mid], ins, outs, shapes, "reduce")
+        prof = [{n: {k: shapes[n][k] for k in ("min", "opt", "max")} for n in ins if shapes[n]["min"] != shapes[n]["max"]}]
+        err = build(sub, prof if prof[0] else [])
+        tries += 1
+        if err is None:
+            lo = mid
+        else:
+            hi, words = mid, err
+    if hi - lo != 1:
+        return None
+    return nodes[hi - 1], words, tries  # words None: only the whole segment failed, with its last node
+
+
+def build_fallback(partition_cfg: dict, onnx_path: Path, plan: dict, error: Exception, feeds: Callable[[], list],
+                   build: Callable[[Any, list[dict]], str | None]) -> tuple[dict, str] | None:
+    """After a TensorRT build failed: the partition config that runs what failed in ONNX Runtime, and what to say, or
+    None when nothing can (partition.strict, partition.build_fallback=false, no single failing node found).
+    Control flow first (TensorRT parses If/Loop/Scan and can still fail to build them), else the node a bisection of
+    the failing segment finds."""
+    from .errors import SegmentBuildError
+
+    replan = without_control_flow(onnx_path, partition_cfg)
+    if replan is not None:
+        return replan[0], (f"re-planned after the TensorRT build failed ({getattr(error, 'message', error)}): "
+                           f"{', '.join(replan[1])} nodes run in ONNX Runtime (partition.control_flow_fallback=true)")
+    if partition_cfg.get("strict") or not partition_cfg.get("build_fallback", True) or \
+            not isinstance(error, SegmentBuildError):
+        return None
+    seg = next((s for s in plan["segments"] if s["index"] == error.segment and s["kind"] == "trt"), None)
+    if seg is None or len(seg["nodes"]) < 1:
+        return None
+    found = failing_node(onnx_path, seg["nodes"], feeds(), build)
+    if found is None:
+        return None
+    node, words, tries = found
+    words = words or getattr(error, "message", str(error))
+    excluded = dict(partition_cfg.get("exclude_nodes") or {})
+    if str(node) in excluded:
+        return None
+    import onnx
+
+    n = onnx.load(str(onnx_path), load_external_data=False).graph.node[node]
+    why = f"TensorRT parsed it but could not build it (found by bisecting the segment, {tries} builds): {words}"
+    excluded[str(node)] = why
+    return ({**partition_cfg, "exclude_nodes": excluded},
+            f"re-planned after the TensorRT build failed: node {n.name or '#' + str(node)} ({n.op_type}) runs in ONNX "
+            f"Runtime; the builder said: {words}")

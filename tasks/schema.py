@@ -131,6 +131,11 @@ class PartitionConfig:
     strict: bool = False
     # TensorRT can parse If/Loop/Scan and still fail to build them: then run them in ONNX Runtime and re-plan
     control_flow_fallback: bool = True
+    # any other segment TensorRT cannot build: find the failing node by bisection (Polygraphy's debug reduce), run it
+    # in ONNX Runtime and re-plan (partition.strict=true or false: fail instead)
+    build_fallback: bool = True
+    # set by that fallback (node index -> the builder's words), not by users: nodes that run in ONNX Runtime
+    exclude_nodes: Dict[str, str] = field(default_factory=dict)
     # ops from other domains (com.microsoft contrib ops, custom ops) run in ONNX Runtime: TensorRT's parser reads
     # them by name only, which is right only when a same-named ONNX op means the same. Domains listed here
     # (TensorRT plugin namespaces) are left to the parser's verdict.

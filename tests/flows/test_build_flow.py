@@ -437,3 +437,47 @@ def test_values_beyond_fp16s_range_on_the_users_data_stay_fp32(prefect_harness, 
     else:
         q = json.loads((Path(s["out_dir"]) / "sensitivity.json").read_text())
         assert q["segments"][0]["fp32_by_data_range"]
+
+
+def make_topk_model(path: Path) -> Path:
+    """Conv -> Relu -> Flatten -> TopK(k=5000) -> Mul: TensorRT parses the TopK but its builder refuses K > 3840
+    (an API usage error at build time, not a parser verdict, nor control flow)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((8, 3, 3, 3)).astype(np.float32), "w"),
+             numpy_helper.from_array(np.array([5000], np.int64), "k"),
+             numpy_helper.from_array(np.array(2.0, np.float32), "two")]
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]), helper.make_node("Relu", ["c"], ["r"]),
+             helper.make_node("Flatten", ["r"], ["f"], axis=1),
+             helper.make_node("TopK", ["f", "k"], ["v", "i"], axis=1), helper.make_node("Mul", ["v", "two"], ["y"])]
+    g = helper.make_graph(nodes, "topk", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, 32, 32])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 5000])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.save(m, str(path))
+    return path
+
+
+def test_a_segment_the_builder_refuses_falls_back_to_onnx_runtime(prefect_harness, tmp_path):
+    """Any builder failure, not only control flow: the failing node is found by bisecting the segment (real TensorRT-RTX
+    builds), runs in ONNX Runtime, the rest is rebuilt, and partition.json and the note say which node and why;
+    partition.strict=true fails with the builder's words instead."""
+    d = tmp_path / "conf"
+    (d / "model").mkdir(parents=True)
+    src = make_topk_model(tmp_path / "topk.onnx")
+    (d / "model" / "topk.yaml").write_text(f"name: topk\nsource: {src}\n"
+                                           "profiles:\n  - x: {min: [1, 3, 32, 32], opt: [2, 3, 32, 32], max: [4, 3, 32, 32]}\n")
+    s = build(["model=topk", "precision=fp16", "stages.benchmark=false"], d, tmp_path / "a")
+    assert s["status"] == "ok", s.get("error")
+    note = s["stages"]["partition"]["note"]
+    assert "TopK" in note and "K exceeds the maximum value allowed (3840)" in note
+    plan = json.loads((Path(s["out_dir"]) / "partition.json").read_text())
+    native = {f["op"]: f["reason"] for f in plan["fallback_nodes"]}
+    assert "bisecting the segment" in native["TopK"]
+    assert all("min_subgraph_size" in why for op, why in native.items() if op != "TopK")  # the Mul after it, alone
+    assert s["metrics"]["trt_subgraphs"] >= 1 and s["metrics"]["cosine_min"] > 0.999
+    strict = build(["model=topk", "precision=fp16", "stages.benchmark=false", "partition.build_fallback=false"], d,
+                   tmp_path / "b")
+    assert strict["status"] == "failed" and "3840" in strict["error"]

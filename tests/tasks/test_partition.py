@@ -202,3 +202,51 @@ def test_fragmentation_by_dynamic_quantization_names_the_key_that_removes_it(tmp
     r2 = plan(tmp_path / "dequantized.onnx", tmp_path / "deq", cfg=cfg)
     assert r2.metrics["trt_subgraphs"] == 1 and r2.metrics["fallback_nodes"] == 0, r2.metrics
     assert not any("fragmented" in w for w in r2.details["warnings"])
+
+
+def make_nhwc_conv1d(path):
+    """A TF-converted 1-D conv: Reshape to NHWC with a shape computed from Shape -> Gather -> Concat, Transpose, Conv,
+    Transpose, Reshape back; a dynamic batch."""
+    import onnx
+    from onnx import TensorProto as T, helper, numpy_helper as nh
+
+    c, o = 16, 8
+    inits = [nh.from_array(np.random.default_rng(0).standard_normal((o, c, 1, 3)).astype(np.float32), "w"),
+             nh.from_array(np.array([0], np.int64), "i0"), nh.from_array(np.array([1], np.int64), "i1"),
+             nh.from_array(np.array([1], np.int64), "one"), nh.from_array(np.array([-1], np.int64), "m1"),
+             nh.from_array(np.array([c], np.int64), "c")]
+    nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Gather", ["s", "i0"], ["n"], axis=0),
+             helper.make_node("Gather", ["s", "i1"], ["t"], axis=0),
+             helper.make_node("Concat", ["n", "one", "t", "c"], ["shp"], axis=0),
+             helper.make_node("Reshape", ["x", "shp"], ["x4"]),
+             helper.make_node("Transpose", ["x4"], ["xc"], perm=[0, 3, 1, 2]),
+             helper.make_node("Conv", ["xc", "w"], ["y4"], pads=[0, 1, 0, 1]),
+             helper.make_node("Transpose", ["y4"], ["yt"], perm=[0, 2, 3, 1]),
+             helper.make_node("Concat", ["n", "t", "m1"], ["shp2"], axis=0),
+             helper.make_node("Reshape", ["yt", "shp2"], ["y"])]
+    g = helper.make_graph(nodes, "tf1d", [helper.make_tensor_value_info("x", T.FLOAT, ["N", 64, c])],
+                          [helper.make_tensor_value_info("y", T.FLOAT, ["N", 64, o])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 7
+    onnx.save(m, str(path))
+    return path
+
+
+def test_a_shape_tensor_is_never_a_segment_input(tmp_path):
+    """The Concats that compute the Reshapes' shapes run natively: the Reshapes reading them run natively too (the
+    engine would need those values at build time: 'missing values for shape input tensor'), and every TensorRT
+    segment builds."""
+    from tasks.build import engine_from_onnx
+
+    src = make_nhwc_conv1d(tmp_path / "tf1d.onnx")
+    r = plan(src, tmp_path / "p", {**CFG, "exclude_ops": ["Concat"], "min_subgraph_size": 1},
+             {"x": {"min": [1, 64, 16], "opt": [2, 64, 16], "max": [4, 64, 16]}})
+    native = {f["name"] or f["op"] + str(f["index"]): (f["op"], f["reason"]) for f in r.details["fallback_nodes"]}
+    reshapes = [why for op, why in native.values() if op == "Reshape"]
+    assert len(reshapes) == 2 and all("as a shape (input 1 of Reshape)" in why for why in reshapes)
+    trt = [s for s in r.details["segments"] if s["kind"] == "trt"]
+    assert trt and all(x != "shp" and x != "shp2" for s in trt for x in s["inputs"])
+    for s in trt:
+        e = engine_from_onnx(r.files[f"segment{s['index']}"], tmp_path / f"{s['index']}.engine", s["profiles"], "8.6",
+                             {"optimization_level": 0, "workspace_mib": None}, Backend("tensorrt_rtx"), show_progress=False)
+        assert e.metrics["engine_bytes"] > 0
