@@ -47,7 +47,7 @@ from .errors import ConfigError
 from .graph import links, opset_of, prune_unused, replace_node, unique_name
 
 QDQ = ("QuantizeLinear", "DequantizeLinear")
-DYNAMIC_OPS = ("DynamicQuantizeLinear", "ConvInteger", "MatMulInteger")
+DYNAMIC_OPS = ("DynamicQuantizeLinear", "ConvInteger", "MatMulInteger", "DynamicQuantizeLSTM")
 LAYERS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
 
 
@@ -835,4 +835,31 @@ def _dequantize_dynamic(g, inits) -> int:
         g.node.insert(list(g.node).index(mul), new)
         g.node.remove(mul)
         count += 1
-    return count
+    return count + sum(_float_lstm(g, n, inits) for n in [n for n in g.node if n.op_type == "DynamicQuantizeLSTM"])
+
+
+def _float_lstm(g, node, inits) -> int:
+    """com.microsoft DynamicQuantizeLSTM (ONNX Runtime's quantize_dynamic of an LSTM: int8 W [D, I, 4H] and R [D, H, 4H],
+    transposed, with per-direction [D] or per-channel [D, 4H] scales and zero points) becomes the float ONNX LSTM it
+    came from. Returns 1, or 0 when its weights are not constants."""
+    names = list(node.input) + [""] * (12 - len(node.input))
+    weights = []
+    for w, s, z in ((names[1], names[8], names[9]), (names[2], names[10], names[11])):
+        if w not in inits or s not in inits or (z and z not in inits):
+            return 0
+        wq = numpy_helper.to_array(inits[w]).astype(np.float64)
+        scale = numpy_helper.to_array(inits[s]).astype(np.float64)
+        zp = numpy_helper.to_array(inits[z]).astype(np.float64) if z else np.zeros_like(scale)
+        per = (-1, 1, wq.shape[2]) if scale.ndim == 2 else (-1, 1, 1)  # [D, 4H] per channel, else [D]
+        f = ((wq - zp.reshape(per)) * scale.reshape(per)).transpose(0, 2, 1)  # ONNX LSTM: [D, 4H, I]
+        name = unique_name(w + "_float", inits)
+        inits[name] = numpy_helper.from_array(f.astype(np.float32), name)
+        g.initializer.append(inits[name])
+        weights.append(name)
+    ins = [names[0], *weights, *names[3:8]]
+    while ins and not ins[-1]:
+        ins.pop()
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    replace_node(g, node, [onnx.helper.make_node("LSTM", ins, list(node.output), name=(node.name or "LSTM") + "_float",
+                                                 **attrs)])
+    return 1

@@ -250,3 +250,53 @@ def test_a_shape_tensor_is_never_a_segment_input(tmp_path):
         e = engine_from_onnx(r.files[f"segment{s['index']}"], tmp_path / f"{s['index']}.engine", s["profiles"], "8.6",
                              {"optimization_level": 0, "workspace_mib": None}, Backend("tensorrt_rtx"), show_progress=False)
         assert e.metrics["engine_bytes"] > 0
+
+
+def test_a_dynamically_quantized_conv_lstm_dequantizes_to_one_tensorrt_subgraph(tmp_path):
+    """ONNX Runtime's quantize_dynamic of a CNN + bidirectional LSTM (ConvInteger and com.microsoft DynamicQuantizeLSTM,
+    as OCR models ship) fragments the graph; with model.dequantize_dynamic=true the LSTM is a float ONNX LSTM again
+    (weights transposed back), the model is one TensorRT subgraph, and its outputs stay at the quantized model's
+    distance from the float model it was made from."""
+    import onnx
+    from onnx import TensorProto as T, helper, numpy_helper as nh
+    from onnxruntime.quantization import quantize_dynamic
+
+    from tasks.prequant import trt_from_prequantized
+
+    rng = np.random.default_rng(0)
+    c, h, w_ = 8, 16, 4  # conv channels, LSTM hidden size, feature height (fixed)
+    inits = [nh.from_array(rng.standard_normal((c, 1, 3, 3)).astype(np.float32) * 0.3, "cw"),
+             nh.from_array(np.array([0, 0, -1], np.int64), "seq_shape"),
+             nh.from_array(rng.standard_normal((2, 4 * h, c * w_)).astype(np.float32) * 0.2, "W"),
+             nh.from_array(rng.standard_normal((2, 4 * h, h)).astype(np.float32) * 0.2, "R"),
+             nh.from_array(rng.standard_normal((2, 8 * h)).astype(np.float32) * 0.1, "B")]
+    nodes = [helper.make_node("Conv", ["x", "cw"], ["f"], pads=[1, 1, 1, 1]), helper.make_node("Relu", ["f"], ["fr"]),
+             helper.make_node("Transpose", ["fr"], ["ft"], perm=[3, 0, 1, 2]),  # [W, N, C, H]: time-major
+             helper.make_node("Reshape", ["ft", "seq_shape"], ["seq"]),  # [W, N, C*H]
+             helper.make_node("LSTM", ["seq", "W", "R", "B"], ["y"], hidden_size=h, direction="bidirectional")]
+    g = helper.make_graph(nodes, "crnn", [helper.make_tensor_value_info("x", T.FLOAT, ["n", 1, w_, "w"])],
+                          [helper.make_tensor_value_info("y", T.FLOAT, ["w", 2, "n", h])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.save(m, str(tmp_path / "float.onnx"))
+    quantize_dynamic(str(tmp_path / "float.onnx"), str(tmp_path / "dynamic.onnx"))
+    ops = {n.op_type for n in onnx.load(str(tmp_path / "dynamic.onnx")).graph.node}
+    assert {"DynamicQuantizeLSTM", "ConvInteger"} <= ops, ops
+
+    profile = {"x": {"min": [1, 1, w_, 8], "opt": [2, 1, w_, 32], "max": [4, 1, w_, 64]}}
+    cfg = {**CFG, "min_subgraph_size": 1}
+    native = {f["op"] for f in plan(tmp_path / "dynamic.onnx", tmp_path / "dyn", cfg, profile).details["fallback_nodes"]}
+    assert {"DynamicQuantizeLSTM", "ConvInteger"} <= native, native
+
+    deq, stats = trt_from_prequantized(onnx.load(str(tmp_path / "dynamic.onnx")), dequantize_dynamic=True)
+    assert stats["dynamic_left"] == 0 and [n.op_type for n in deq.graph.node].count("LSTM") == 1, stats
+    onnx.save(deq, str(tmp_path / "dequantized.onnx"))
+    r = plan(tmp_path / "dequantized.onnx", tmp_path / "deq", cfg, profile)
+    assert r.metrics["trt_subgraphs"] == 1 and r.metrics["fallback_nodes"] == 0, r.metrics
+
+    x = {"x": rng.random((3, 1, w_, 20), np.float32)}
+    run = lambda name: next(iter(ort_runner(tmp_path / name)(x).values()))  # noqa: E731
+    ref, dyn, out = run("float.onnx"), run("dynamic.onnx"), run("dequantized.onnx")
+    assert out.shape == ref.shape
+    # int8 weights: within the quantization error of the float model, no further from it than the quantized model
+    assert np.abs(out - ref).max() < 0.05 and np.abs(out - ref).max() <= 1.5 * np.abs(dyn - ref).max() + 1e-6
