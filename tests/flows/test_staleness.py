@@ -133,6 +133,34 @@ def test_a_retrained_checkpoint_or_an_edited_module_rebuilds_and_the_rebuild_flo
     assert not edited.get("up_to_date") and edited["engine"]["sha256"] != mv.tags["sha256"]
 
 
+def test_new_paddle_params_behind_the_same_config_rebuild(prefect_harness, tmp_path):
+    """A Paddle model retrained: the .pdiparams beside the program changes, the program and the config do not."""
+    import subprocess
+    import sys
+
+    from tests.tasks.test_paddle import SAVE_TINY
+
+    pytest.importorskip("paddle")
+    (tmp_path / "save.py").write_text(SAVE_TINY.replace("paddle.seed(0)", "paddle.seed(int(sys.argv[2]))"))
+    for seed, d in ((0, "m"), (1, "retrained")):
+        subprocess.run([sys.executable, str(tmp_path / "save.py"), str(tmp_path / d / "tiny"), str(seed)], check=True,
+                       capture_output=True)
+    program = tmp_path / "m" / "tiny.json"
+    assert program.read_bytes() == (tmp_path / "retrained" / "tiny.json").read_bytes()  # weights differ, program does not
+    conf = tmp_path / "conf"
+    (conf / "model").mkdir(parents=True)
+    (conf / "model" / "pd.yaml").write_text(f"name: pd\nformat: paddle\nsource: {program}\n"
+                                            "profiles:\n  - image: {min: [1, 3, 16, 16], opt: [2, 3, 16, 16], max: [4, 3, 16, 16]}\n")
+    first = build(conf, tmp_path, "model=pd", "precision=fp32")
+    assert build(conf, tmp_path, "model=pd", "precision=fp32").get("up_to_date")
+    params = tmp_path / "m" / "tiny.pdiparams"
+    assert any(Path(e["path"]).name == params.name for e in first["inputs"]["files"])  # recorded, not configured
+    params.write_bytes((tmp_path / "retrained" / "tiny.pdiparams").read_bytes())
+    new = build(conf, tmp_path, "model=pd", "precision=fp32")
+    assert not new.get("up_to_date") and new["engine"]["sha256"] != first["engine"]["sha256"]
+    assert build(conf, tmp_path, "model=pd", "precision=fp32").get("up_to_date")
+
+
 def test_a_replaced_calibration_image_or_a_library_upgrade_rebuilds(prefect_harness, tmp_path):
     from PIL import Image
 
