@@ -38,7 +38,7 @@ def source_fingerprint(model_cfg: Any, search: list[Path] | None = None) -> dict
 def onnx_from_model(model_cfg: Any, profiles: list[dict], out_path: Path, search: list[Path] | None = None,
                     cache_root: Path | None = None) -> StageResult:
     """Export or pass through, then sanitize; writes out_path (fp32 ONNX). `cache_root` keeps Paddle conversions."""
-    from .graph import load_onnx, opset_of, specialise
+    from .graph import fold_for_profiles, load_onnx, opset_of, specialise
     from .prequant import quantization_of, trt_from_prequantized
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -67,6 +67,10 @@ def onnx_from_model(model_cfg: Any, profiles: list[dict], out_path: Path, search
         notes += details["constants"]
         del model.graph.value_info[:]  # inferred before the folds: stale
         model = infer_shapes(model, notes)
+    folded = fold_for_profiles(model, profiles)  # convolutions whose shapes only the profile reveals
+    if folded:
+        details["folded"] = folded
+        notes += folded
     quant = quantization_of(model)
     if any(quant.values()):  # the model as shipped is the reference; TensorRT gets what it can take
         files["reference"] = out_path.with_name("shipped.onnx")

@@ -404,9 +404,11 @@ def _shape_value(node: onnx.NodeProto, shape: list[int]) -> np.ndarray:
     return np.array(shape[a.get("start", 0):len(shape) if end is None else end], dtype=np.int64)
 
 
-def fold_constant_nodes(model: onnx.ModelProto) -> int:
+def fold_constant_nodes(model: onnx.ModelProto, max_elements: int = FOLD_MAX_ELEMENTS, keep_ops: Iterable[str] = ()) -> int:
     """Top-level nodes computable now become initializers: every input a constant, a Shape/Size of a value whose
-    shape is static, or a Gather of static dims from a Shape. Results larger than FOLD_MAX_ELEMENTS stay nodes. Returns how many nodes were folded."""
+    shape is static, or a Gather of static dims from a Shape. Results larger than `max_elements` and nodes of
+    `keep_ops` stay nodes. Returns how many nodes were folded."""
+    keep_ops = set(keep_ops)
     g = model.graph
     folded = fold_constants(g)
     values = {t.name: numpy_helper.to_array(t) for t in g.initializer}
@@ -415,7 +417,8 @@ def fold_constant_nodes(model: onnx.ModelProto) -> int:
     keep, partial = [], {}  # partial: Shape outputs with unknown dims as -1
     for node in g.node:
         out = None
-        if node.domain in ("", "ai.onnx") and node.op_type not in NONDETERMINISTIC and not subgraphs(node) and node.output:
+        if node.domain in ("", "ai.onnx") and node.op_type not in NONDETERMINISTIC and node.op_type not in keep_ops \
+                and not subgraphs(node) and node.output:
             shape = shapes.get(node.input[0]) if node.input and node.input[0] not in values else None
             if node.op_type in ("Shape", "Size") and shape is not None and None not in shape:
                 out = [_shape_value(node, shape)]
@@ -424,10 +427,10 @@ def fold_constant_nodes(model: onnx.ModelProto) -> int:
             elif node.op_type == "Gather" and node.input[0] in partial and node.input[1] in values:
                 picked = np.take(partial[node.input[0]], values[node.input[1]].astype(np.int64))  # the static dims read
                 out = [picked] if (picked >= 0).all() else None
-            elif node.input and all(i in values and values[i].size <= FOLD_MAX_ELEMENTS for i in node.input if i):
+            elif node.input and all(i in values and values[i].size <= max_elements for i in node.input if i):
                 out = _evaluate(node, values, opsets)
         if out is None or len(out) != len([o for o in node.output if o]) or any(
-                np.asarray(a).size > FOLD_MAX_ELEMENTS for a in out):
+                np.asarray(a).size > max_elements for a in out):
             keep.append(node)
             continue
         for name, a in zip([o for o in node.output if o], out):
@@ -438,6 +441,52 @@ def fold_constant_nodes(model: onnx.ModelProto) -> int:
         del g.node[:]
         g.node.extend(keep)
     return folded
+
+
+def unknown_conv_shapes(model: onnx.ModelProto) -> list[str]:
+    """Convolutions whose filter shape or input channel count the graph does not tell (from its inferred value_info):
+    TensorRT needs both at build time ("the channel dimension of a dynamic filter must have static length")."""
+    shapes = {vi.name: [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
+              for vi in (*model.graph.input, *model.graph.value_info, *model.graph.output)
+              if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape")}
+    shapes.update({t.name: list(t.dims) for t in model.graph.initializer})
+    unknown = []
+    for n in model.graph.node:
+        if n.op_type in ("Conv", "ConvTranspose") and len(n.input) > 1:
+            w, x = shapes.get(n.input[1]), shapes.get(n.input[0])
+            if w is None or None in w or x is None or len(x) < 2 or x[1] is None:
+                unknown.append(n.name or n.output[0])
+    return unknown
+
+
+FOLD_FILTER_ELEMENTS = 1 << 24  # a filter computed from constants and shapes is folded up to this size
+
+
+def fold_for_profiles(model: onnx.ModelProto, profiles: list[dict]) -> list[str]:
+    """Where a convolution's filter shape or input channels are computed from shapes (TF converters' Reshape/Transpose
+    around 1-D convolutions, filters reshaped at run time), fold constants and shapes for the profiles, as Polygraphy's
+    ``surgeon sanitize --fold-constants`` does: dims every profile fixes become static, then every node computable
+    from constants and static shapes becomes an initializer (Q/DQ stays as it is). Kept only when it tells TensorRT
+    more convolutions' shapes; a graph whose convolutions are all known is left alone. Returns notes."""
+    before = unknown_conv_shapes(model)
+    if not before:
+        return []
+    trial = onnx.ModelProto()
+    trial.CopyFrom(model)
+    notes = pin_fixed_dims(trial, profiles)
+    folded = fold_constant_nodes(trial, max_elements=FOLD_FILTER_ELEMENTS, keep_ops=("QuantizeLinear", "DequantizeLinear"))
+    prune_unused(trial.graph)
+    del trial.graph.value_info[:]
+    try:
+        trial = onnx.shape_inference.infer_shapes(trial, data_prop=True)
+    except Exception:  # noqa: BLE001 - then the fold told nothing new
+        return []
+    after = unknown_conv_shapes(trial)
+    if len(after) >= len(before):
+        return []
+    model.CopyFrom(trial)
+    return notes + [f"{folded} nodes folded for the profiles (constants and shapes): the filter shape and input channels "
+                    f"of {len(before) - len(after)} of {len(before)} convolutions are known now, as TensorRT needs them"]
 
 
 def inline_if(g: onnx.GraphProto, index: int, taken: bool) -> str | None:

@@ -107,3 +107,62 @@ def test_a_model_written_with_todays_onnx_defaults_is_lowered_to_the_ir_onnx_run
     assert any(n.startswith(f"IR {onnx.IR_VERSION} -> {runtime_max_ir()}") for n in r.details["sanitize"])
     x = np.ones((2, 3, 8, 8), np.float32)
     assert ort_run(ort_session(r.files["onnx"]), {"x": x})["y"].shape == (2, 4, 8, 8)
+
+
+def make_tf_style_conv1d(path):
+    """A TF converter's 1-D convolution: x [N, T, C] (every dim symbolic) -> Unsqueeze -> Transpose -> Conv whose filter
+    is a flat constant reshaped to [O, C, 1, 3] with C read from x's shape at run time -> Transpose -> Reshape."""
+    import numpy as np
+    from onnx import TensorProto as T, helper, numpy_helper as nh
+
+    c, o = 16, 8
+    inits = [nh.from_array(np.random.default_rng(0).standard_normal((o * c * 3,)).astype(np.float32), "wf"),
+             nh.from_array(np.array([2], np.int64), "i2"), nh.from_array(np.array([o], np.int64), "o"),
+             nh.from_array(np.array([1], np.int64), "one"), nh.from_array(np.array([3], np.int64), "three"),
+             nh.from_array(np.array([0, 0, -1], np.int64), "back")]
+    nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Gather", ["s", "i2"], ["c"], axis=0),
+             helper.make_node("Concat", ["o", "c", "one", "three"], ["wshape"], axis=0),
+             helper.make_node("Reshape", ["wf", "wshape"], ["w"]),
+             helper.make_node("Unsqueeze", ["x", "one"], ["x4"]),
+             helper.make_node("Transpose", ["x4"], ["xc"], perm=[0, 3, 1, 2]),
+             helper.make_node("Conv", ["xc", "w"], ["y4"], pads=[0, 1, 0, 1], name="conv1d"),
+             helper.make_node("Transpose", ["y4"], ["yt"], perm=[0, 2, 3, 1]),
+             helper.make_node("Reshape", ["yt", "back"], ["y"])]
+    g = helper.make_graph(nodes, "tf1d", [helper.make_tensor_value_info("x", T.FLOAT, ["N", "T", "C"])],
+                          [helper.make_tensor_value_info("y", T.FLOAT, ["N", "T", o])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 7
+    onnx.save(m, str(path))
+    return path
+
+
+def test_a_conv_whose_filter_shape_only_the_profile_reveals_is_folded_and_builds(tmp_path):
+    """TensorRT's parser refuses the Conv ("the channel dimension of a dynamic filter must have static length"); with the
+    dims every profile fixes made static, constants and shapes fold, the filter is a weight, and the engine builds
+    with the same outputs in ONNX Runtime. A graph whose convolutions are known is not touched."""
+    import numpy as np
+
+    from tasks.backend import Backend
+    from tasks.build import engine_from_onnx
+    from tasks.errors import StageError
+    from tasks.graph import unknown_conv_shapes
+    from tasks.ort import ort_runner
+
+    src = make_tf_style_conv1d(tmp_path / "tf1d.onnx")
+    profile = {"x": {"min": [1, 8, 16], "opt": [2, 64, 16], "max": [4, 128, 16]}}
+    build = lambda p, name: engine_from_onnx(p, tmp_path / name, [profile], "8.6",  # noqa: E731
+                                             {"optimization_level": 0, "workspace_mib": None}, Backend("tensorrt_rtx"),
+                                             show_progress=False)
+    with pytest.raises(StageError, match="dynamic filter"):
+        build(src, "raw.engine")
+
+    r = onnx_from_model({"format": "onnx", "source": str(src)}, [profile], tmp_path / "out" / "m.onnx")
+    folded = onnx.load(str(r.files["onnx"]))
+    assert not unknown_conv_shapes(folded) and "w" in {t.name for t in folded.graph.initializer}
+    assert any("convolutions are known now" in n for n in r.details["sanitize"]), r.details["sanitize"]
+    assert build(r.files["onnx"], "folded.engine").metrics["engine_bytes"] > 0
+    x = {"x": np.random.default_rng(1).standard_normal((3, 20, 16)).astype(np.float32)}
+    np.testing.assert_allclose(ort_runner(r.files["onnx"])(x)["y"], ort_runner(src)(x)["y"], rtol=1e-5, atol=1e-5)
+
+    plain = onnx_from_model({"format": "onnx", "source": str(src)}, [], tmp_path / "plain" / "m.onnx")
+    assert "folded" not in plain.details  # no profile fixes C: nothing is known, nothing kept
