@@ -186,13 +186,9 @@ ONNX_NO_FLOPS = {"Constant", "Reshape", "Transpose", "Flatten", "Squeeze", "Unsq
                  "ConstantOfShape", "Range", "NonZero", "OneHot", "If", "Loop", "Scan", "DepthToSpace", "SpaceToDepth"}
 
 
-def onnx_flops(model, shapes: dict[str, list[int]], names: list[str] | None = None) -> dict[str, float]:
-    """Estimated FLOPs per node (of ``names``, default all) with the inputs at ``shapes`` (ONNX shape inference),
-    with the formulas above: Conv/ConvTranspose/MatMul/Gemm from their weights, pooling by window, reductions by input
-    elements, data movement 0, anything else its output elements. {} when shapes cannot be inferred; a node whose
-    output shape stays unknown is left out."""
-    import math
-
+def inferred_at(model, shapes: dict):
+    """A copy of ``model`` with the inputs in ``shapes`` fixed to them, shape-inferred (ONNX, with data propagation);
+    None when inference fails."""
     import onnx
 
     m = onnx.ModelProto()
@@ -204,8 +200,22 @@ def onnx_flops(model, shapes: dict[str, list[int]], names: list[str] | None = No
                 d.dim_value = int(v)
     del m.graph.value_info[:]
     try:
-        m = onnx.shape_inference.infer_shapes(m, data_prop=True)
-    except Exception:  # noqa: BLE001 - no estimate rather than a made-up one
+        return onnx.shape_inference.infer_shapes(m, data_prop=True)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def onnx_flops(model, shapes: dict[str, list[int]], names: list[str] | None = None) -> dict[str, float]:
+    """Estimated FLOPs per node (of ``names``, default all) with the inputs at ``shapes`` (ONNX shape inference),
+    with the formulas above: Conv/ConvTranspose/MatMul/Gemm from their weights, pooling by window, reductions by input
+    elements, data movement 0, anything else its output elements. {} when shapes cannot be inferred; a node whose
+    output shape stays unknown is left out."""
+    import math
+
+    import onnx
+
+    m = inferred_at(model, shapes)
+    if m is None:  # no estimate rather than a made-up one
         return {}
     g = m.graph
     dims = {v.name: [d.dim_value if d.HasField("dim_value") else 0 for d in v.type.tensor_type.shape.dim]

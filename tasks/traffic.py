@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ConfigError
+from .flops import inferred_at, onnx_flops
 from .models import TensorInfo
 
 KEY = "model.traffic.source"
@@ -215,27 +216,10 @@ def _elements(s: Shape) -> float:
     return float(sum(math.prod(v) for v in s.values()))
 
 
-def _inferred(model, shapes: Shape):
-    import onnx
-
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    for inp in m.graph.input:
-        if inp.name in shapes:
-            for d, v in zip(inp.type.tensor_type.shape.dim, shapes[inp.name]):
-                d.Clear()
-                d.dim_value = int(v)
-    del m.graph.value_info[:]
-    try:
-        return onnx.shape_inference.infer_shapes(m, data_prop=True)
-    except Exception:  # noqa: BLE001 - no estimate rather than a made-up one
-        return None
-
-
 def activation_mib(model, shapes: Shape) -> float | None:
     """Peak live intermediate memory at ``shapes`` (fp32 bytes, graph order, freed after the last reader), in MiB;
     None when shapes cannot be inferred."""
-    m = _inferred(model, shapes) if model is not None else None
+    m = inferred_at(model, shapes) if model is not None else None
     if m is None:
         return None
     g = m.graph
@@ -267,8 +251,6 @@ class Costs:
     """FLOPs per request shape (or input elements without a graph), exact at up to EXACT_COSTS shapes."""
 
     def __init__(self, model, shapes: list[Shape]):
-        from .flops import onnx_flops
-
         self.unit = "FLOPs" if model is not None else "input elements"
         elems = np.array([_elements(s) for s in shapes])
         if model is None:
