@@ -72,4 +72,5 @@ browser:
 	    chromium chromium-driver fonts-dejavu-core; fi
 
 clean:
+	@test -x $(PY) && $(PY) -m flows.daemon stop || true
 	rm -rf .trtforge out mlruns mlflow.db outputs multirun compare.html test-artifacts

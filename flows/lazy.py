@@ -7,7 +7,7 @@ from typing import Any, Callable
 NONE = "NONE"  # stands for prefect.cache_policies.NONE until Prefect is imported
 
 
-class _Deferred:
+class Deferred:
     def __init__(self, kind: str, fn: Callable, opts: dict[str, Any]):
         self.kind, self.fn, self.opts, self._obj = kind, fn, opts, None
         self.__name__, self.__doc__, self.__wrapped__ = fn.__name__, fn.__doc__, fn
@@ -28,9 +28,9 @@ class _Deferred:
         return getattr(self.prefect(), name)
 
 
-def task(**opts: Any) -> Callable[[Callable], _Deferred]:
-    return lambda fn: _Deferred("task", fn, opts)
+def task(**opts: Any) -> Callable[[Callable], Deferred]:
+    return lambda fn: Deferred("task", fn, opts)
 
 
-def flow(**opts: Any) -> Callable[[Callable], _Deferred]:
-    return lambda fn: _Deferred("flow", fn, opts)
+def flow(**opts: Any) -> Callable[[Callable], Deferred]:
+    return lambda fn: Deferred("flow", fn, opts)

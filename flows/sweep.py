@@ -59,8 +59,12 @@ def run_sweep(combos: list[list[str]], config_dir: str | None, report: Callable[
         return code
     from flows import server as prefect_server
 
+    from flows import daemon
+
     prefect_server.ensure()  # the workers report to the machine's shared local server (PREFECT_API_URL is inherited)
-    with prefect_server.lease(), ProcessPoolExecutor(jobs(len(work)), mp_context=get_context("spawn")) as pool:
+    # in a warm build process the workers are forked from it, everything imported; else spawned (fresh interpreters)
+    context = get_context("fork" if daemon.WARM else "spawn")
+    with prefect_server.lease(), ProcessPoolExecutor(jobs(len(work)), mp_context=context) as pool:
         for f in as_completed([pool.submit(_worker_build, run_build, ov, config_dir) for ov in work]):
             r = f.result()
             report(r)

@@ -15,6 +15,7 @@ os.environ["PREFECT_LOGGING_LEVEL"] = "WARNING"
 os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_SESSION_TMP / 'mlflow.db'}"
 os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
 os.environ["DO_NOT_TRACK"] = "true"
+os.environ["TRTFORGE_DAEMON"] = "0"  # CLI tests build in their own process; tests/flows/test_daemon.py turns it on
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
