@@ -329,6 +329,23 @@ def calibration_data(name: str, form: str, folder: Path, samples: int = CALIBRAT
     return path
 
 
+def zoo_env(tmp: Path) -> dict:
+    """The environment of every zoo build: its own MLflow store and Prefect home (one warm build process serves the
+    builds after the first, flows/daemon.py)."""
+    return dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp / 'mlflow.db'}", PREFECT_HOME=str(tmp / "prefect"),
+                PREFECT_LOCAL_STORAGE_PATH=str(tmp / "prefect" / "storage"), MLFLOW_DISABLE_TELEMETRY="true",
+                DO_NOT_TRACK="true", PREFECT_SERVER_ANALYTICS_ENABLED="false",
+                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def stop_warm(tmp: Path) -> None:
+    """The zoo's warm build process goes with its temp folder (without its socket it exits within a second)."""
+    sys.path.insert(0, str(ROOT))
+    from flows.daemon import identity, socket_path
+
+    socket_path(identity(zoo_env(tmp))).unlink(missing_ok=True)
+
+
 def build_models(names: list[str], precisions: list[str], target: str, tmp: Path, timeout: int,
                  data: Path | None = None, overrides: list[str] = ()) -> list[dict]:
     """One `python -m flows.build -m model=... precision=...` process (a sweep); one row per (model, precision)."""
@@ -338,10 +355,7 @@ def build_models(names: list[str], precisions: list[str], target: str, tmp: Path
            "stages.benchmark=false", *overrides]
     if data is not None:
         cmd.append(f"calibration.data={data}")
-    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp / 'mlflow.db'}", PREFECT_HOME=str(tmp / "prefect"),
-               PREFECT_LOCAL_STORAGE_PATH=str(tmp / "prefect" / "storage"), MLFLOW_DISABLE_TELEMETRY="true",
-               DO_NOT_TRACK="true", PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = zoo_env(tmp)
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
@@ -464,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         order = {n: i for i, n in enumerate(names)}
         rows.sort(key=lambda r: order[r["model"]])
     finally:
+        stop_warm(tmp)
         if args.keep:
             print(f"kept {tmp}")
         else:
