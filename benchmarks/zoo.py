@@ -329,6 +329,12 @@ def calibration_data(name: str, form: str, folder: Path, samples: int = CALIBRAT
     return path
 
 
+def error_status(reason: str) -> str:
+    """A build stopped before publishing: "refused" when by design (a precision its engine would not compute, for a
+    model that arrives quantized: the error names the precision and the fix), else "error"."""
+    return "refused" if re.match(r"(\[build\] )?precision=\w+: ", reason) else "error"
+
+
 def zoo_env(tmp: Path) -> dict:
     """The environment of every zoo build: its own MLflow store and Prefect home (one warm build process serves the
     builds after the first, flows/daemon.py)."""
@@ -378,8 +384,7 @@ def build_models(names: list[str], precisions: list[str], target: str, tmp: Path
                 break
         if summary is None:
             row["reason"] = errors.pop(0) if errors else f"no summary (exit {code}): {stderr.strip()[-300:]}"
-            # a precision the engine would not compute (a model that arrives quantized): refused by design, with the fix
-            row["status"] = "refused" if row["reason"].startswith("[build] precision=") else "error"
+            row["status"] = error_status(row["reason"])
         else:
             m = summary.get("metrics", {})
             row["status"] = summary["status"]

@@ -83,3 +83,13 @@ def test_an_input_fed_at_its_packages_scale_is_drawn_at_that_scale(tmp_path, mon
     assert v.name == "fed16.validation.batch.npz" and not np.array_equal(np.load(v)["audio"], a)
     assert zoo.calibration_data("plain", "batch", tmp_path, purpose="validation", scaled_only=True) is None
     assert np.abs(np.load(zoo.calibration_data("plain", "batch", tmp_path))["audio"]).max() < 10  # standard normal
+
+
+def test_a_refusal_by_design_is_told_apart_from_an_error():
+    spec = importlib.util.spec_from_file_location("zoo", REPO / "benchmarks" / "zoo.py")
+    zoo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(zoo)
+    assert zoo.error_status("precision=int8: the model's quantization is dynamic (238 ops, run natively in ONNX "
+                            "Runtime), so its TensorRT engines compute float, not int8") == "refused"
+    assert zoo.error_status("[build] precision=fp32: ...") == "refused"
+    assert zoo.error_status("calibration.data='/x.npz': no such file or folder") == "error"
