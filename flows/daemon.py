@@ -196,7 +196,22 @@ def warm_up() -> str | None:
                 if isinstance(obj, Deferred):
                     obj.prefect()
     _complete_models()
+    _draw_once()
     return url
+
+
+def _draw_once() -> None:
+    """One small figure with text, saved to memory: matplotlib loads its fonts on the first draw (report plots)."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(2, 1))
+    ax.plot([0, 1], [0, 1], label="warm")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(io.BytesIO(), format="png", dpi=50)
+    plt.close(fig)
 
 
 def _complete_models() -> None:
