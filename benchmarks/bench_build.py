@@ -58,27 +58,15 @@ def pipeline_env(tmp: Path) -> dict:
                 PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
-def warm_builds(tmp: Path) -> int:
-    """How many builds the warm process of the pipeline's environment has served (its log)."""
-    from flows.daemon import identity, socket_path
-
-    log = socket_path(identity(pipeline_env(tmp))).with_suffix(".log")
-    return sum(" build " in ln for ln in log.read_text().splitlines()) if log.exists() else 0
-
-
 def wait_warm(tmp: Path) -> str:
     """After the first build: wait until the warm build process it left behind serves (flows/daemon.py), as it does
     for every later build of a session; what the later runs had."""
-    from flows.daemon import enabled, identity, socket_path
+    from flows import daemon
 
-    env = pipeline_env(tmp)
-    if not enabled():
+    if not daemon.enabled():
         return "no warm process (TRTFORGE_DAEMON=0)"
-    sock, t0 = socket_path(identity(env)), time.perf_counter()
-    while not sock.exists() and time.perf_counter() - t0 < 120:
-        time.sleep(0.1)
-    return f"warm process up {time.perf_counter() - t0:.1f} s after the first build" if sock.exists() else \
-        "no warm process came up in 120 s"
+    waited = daemon.wait_serving(pipeline_env(tmp))
+    return "no warm process came up in 120 s" if waited is None else f"warm process up {waited:.1f} s after the first build"
 
 
 def run_pipeline(tmp: Path, label: str, precision: str, cache: str) -> dict:
@@ -87,7 +75,9 @@ def run_pipeline(tmp: Path, label: str, precision: str, cache: str) -> dict:
     cmd = [python_exe(), "-m", "flows.build", f"model={MODEL}", f"target={TARGET}", f"precision={precision}",
            f"cache_dir={tmp / cache}", f"out_dir={tmp / ('out_' + label)}", f"summary_out={summary_path}"]
     env = pipeline_env(tmp)
-    served_before = warm_builds(tmp)
+    from flows import daemon
+
+    served_before = daemon.served(env)
     print(f"  pipeline {label:<10} precision={precision} cache={cache} ...", end=" ", flush=True)
     t0 = time.perf_counter()
     p = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
@@ -100,7 +90,7 @@ def run_pipeline(tmp: Path, label: str, precision: str, cache: str) -> dict:
     summary = json.loads(summary_path.read_text())
     stage_s = sum(float(s.get("seconds") or 0.0) for s in summary["stages"].values())
     return {"label": label, "wall": wall, "in_process": float(m.group(1)) if m else None, "summary": summary,
-            "warm": warm_builds(tmp) > served_before,
+            "warm": daemon.served(env) > served_before,
             "stage_sum": stage_s, "out_dir": tmp / ("out_" + label) / MODEL / TARGET / precision}
 
 
@@ -391,9 +381,9 @@ def main() -> int:
                 print(table(["what", "seconds"], [[k, f"{v:.2f}"] for k, v in pr.items()]))
                 print()
     finally:
-        from flows.daemon import identity, socket_path
+        from flows import daemon
 
-        socket_path(identity(pipeline_env(tmp))).unlink(missing_ok=True)  # its warm process exits
+        daemon.stop(pipeline_env(tmp))  # its warm process exits
         if args.keep:
             print(f"\nkept {tmp}")
         else:

@@ -347,9 +347,9 @@ def zoo_env(tmp: Path) -> dict:
 def stop_warm(tmp: Path) -> None:
     """The zoo's warm build process goes with its temp folder (without its socket it exits within a second)."""
     sys.path.insert(0, str(ROOT))
-    from flows.daemon import identity, socket_path
+    from flows import daemon
 
-    socket_path(identity(zoo_env(tmp))).unlink(missing_ok=True)
+    daemon.stop(zoo_env(tmp))
 
 
 def build_models(names: list[str], precisions: list[str], target: str, tmp: Path, timeout: int,

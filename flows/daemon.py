@@ -395,6 +395,30 @@ def _watch(conn: socket.socket) -> None:
     os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
+def served(env: dict[str, str]) -> int:
+    """How many builds the warm process of this environment has served (its log; for benchmarks and tests)."""
+    log = socket_path(identity(env)).with_suffix(".log")
+    try:
+        return sum(" build " in line for line in log.read_text().splitlines())
+    except OSError:
+        return 0
+
+
+def wait_serving(env: dict[str, str], timeout: float = 120.0) -> float | None:
+    """Wait until a warm process serves this environment: the seconds waited, or None when none came."""
+    sock, t0 = socket_path(identity(env)), time.monotonic()
+    while not sock.exists():
+        if time.monotonic() - t0 > timeout:
+            return None
+        time.sleep(0.1)
+    return time.monotonic() - t0
+
+
+def stop(env: dict[str, str]) -> None:
+    """Stop the warm process of this environment (without its socket it exits within a second)."""
+    socket_path(identity(env)).unlink(missing_ok=True)
+
+
 def stop_all() -> int:
     """Stop every warm process of this user (tests, `make clean`): a daemon whose socket is gone exits within a
     second, once its builds are done. Returns how many there were."""
