@@ -80,15 +80,19 @@ def delegate(entry: str, argv: list[str]) -> int | None:
         if not _starting(path):
             atexit.register(spawn, ident)
         return None
-    try:
-        request = json.dumps({"entry": entry, "argv": argv, "cwd": os.getcwd(), "env": dict(os.environ),
-                              "started": started}).encode()
-        socket.send_fds(conn, [request], [0, 1, 2])
-        reader = conn.makefile("r")
-        first = reader.readline().split()
-        if len(first) != 2 or first[0] != "pid":  # the daemon could not take it (stale, stopping): build here
+    with conn:
+        try:
+            request = json.dumps({"entry": entry, "argv": argv, "cwd": os.getcwd(), "env": dict(os.environ),
+                                  "started": started}).encode()
+            socket.send_fds(conn, [request], [0, 1, 2])
+            reader = conn.makefile("r")
+            first = reader.readline().split()
+            child = int(first[1]) if len(first) == 2 and first[0] == "pid" else None
+        except (OSError, ValueError):
+            child = None
+        if child is None:  # the daemon could not take it (stale, stopping): build here
             return None
-        child, forwarded = int(first[1]), []
+        forwarded: list[int] = []  # from here on the build is the child's: never built twice
 
         def forward(sig: int, _frame) -> None:
             forwarded.append(sig)
@@ -96,7 +100,10 @@ def delegate(entry: str, argv: list[str]) -> int | None:
 
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
             signal.signal(sig, forward)
-        last = reader.readline().split()
+        try:
+            last = reader.readline().split()
+        except OSError:
+            last = []
         if len(last) == 2 and last[0] == "exit":
             return int(last[1])
         if forwarded:  # the build ended by the signal this CLI got: end as it would have
@@ -104,10 +111,6 @@ def delegate(entry: str, argv: list[str]) -> int | None:
         print("trtforge: internal error: the build process died without an exit status\n"
               "  fix: rerun with TRTFORGE_DAEMON=0 to build in this process, and report it", file=sys.stderr)
         return 1
-    except (OSError, ValueError):
-        return None
-    finally:
-        conn.close()
 
 
 def _connect(path: Path) -> socket.socket | None:
