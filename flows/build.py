@@ -242,7 +242,8 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
             else:
                 print(f"trtforge: error: {' '.join(r['overrides'])}: {r['error']}", file=sys.stderr)
         return run_sweep(combos, args.config_dir, report, run_build, up_to_date)
-    for overrides in combos:
+    for i, overrides in enumerate(combos):
+        started = started if i == 0 else time.time()  # each build of a list starts when the one before ended
         try:
             cfg = compose_config(overrides, args.config_dir)
             if args.cfg:
@@ -254,7 +255,6 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
                 print(f"up to date: the published result and its MLflow run match the inputs (built "
                       f"{summary['up_to_date']}); nothing to do")
             print_summary(summary, time.time() - started)
-            started = time.time()  # the next build of a list starts now
             code = max(code, 0 if summary["status"] == "ok" else 1)
         except TrtforgeError as e:
             if os.environ.get("TRTFORGE_TRACEBACK"):

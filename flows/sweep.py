@@ -57,9 +57,7 @@ def run_sweep(combos: list[list[str]], config_dir: str | None, report: Callable[
             work.append(ov)
     if not work:
         return code
-    from flows import server as prefect_server
-
-    from flows import daemon
+    from flows import daemon, server as prefect_server
 
     prefect_server.ensure()  # the workers report to the machine's shared local server (PREFECT_API_URL is inherited)
     # in a warm build process the workers are forked from it, everything imported; else spawned (fresh interpreters)
