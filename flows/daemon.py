@@ -84,7 +84,7 @@ def delegate(entry: str, argv: list[str]) -> int | None:
         try:
             request = json.dumps({"entry": entry, "argv": argv, "cwd": os.getcwd(), "env": dict(os.environ),
                                   "started": started}).encode()
-            socket.send_fds(conn, [request], [0, 1, 2])
+            socket.send_fds(conn, [request], [fd if _is_open(fd) else os.open(os.devnull, os.O_RDWR) for fd in (0, 1, 2)])
             reader = conn.makefile("r")
             first = reader.readline().split()
             child = int(first[1]) if len(first) == 2 and first[0] == "pid" else None
@@ -111,6 +111,15 @@ def delegate(entry: str, argv: list[str]) -> int | None:
         print("trtforge: internal error: the build process died without an exit status\n"
               "  fix: rerun with TRTFORGE_DAEMON=0 to build in this process, and report it", file=sys.stderr)
         return 1
+
+
+def _is_open(fd: int) -> bool:
+    """A CLI started with a closed stdin (cron, CI) hands /dev/null in its place."""
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
 
 
 def _connect(path: Path) -> socket.socket | None:

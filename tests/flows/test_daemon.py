@@ -38,8 +38,9 @@ def cli(warm, *extra: str, wait: bool = True, flags: tuple[str, ...] = ()):
     args = [sys.executable, "-m", "flows.build", *flags, "--config-dir", str(conf), "model=tiny", "stages.benchmark=false",
             f"out_dir={tmp / 'out'}", f"cache_dir={tmp / 'cache'}", *extra]
     if not wait:
-        return subprocess.Popen(args, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return subprocess.run(args, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+        return subprocess.Popen(args, cwd=tmp, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    return subprocess.run(args, cwd=tmp, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
 
 
 def served(sock: Path, since: int = 0) -> list[int]:
