@@ -30,6 +30,9 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PIP) -e '.[test,torch]'
+	@# empty Prefect and MLflow databases, migrated once per library version (flows/templates.py): a new Prefect home
+	@# or tracking store starts from a copy instead of paying the migrations in a user's first build
+	-$(PY) -m flows.templates
 	@touch $(STAMP)
 
 $(PADDLE_STAMP): $(STAMP) Makefile

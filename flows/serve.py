@@ -37,8 +37,11 @@ def ensure_server(port: int = 4200, timeout: float = 120.0) -> tuple[str, subpro
     if "PREFECT_API_URL" in os.environ and not url.startswith(("http://127.0.0.1", "http://localhost")):
         from tasks.errors import UnavailableError
         raise UnavailableError(f"PREFECT_API_URL={url} does not answer", fix="start that server, or unset PREFECT_API_URL")
+    from flows.server import seed_home
+
+    first = seed_home()
     prefect = os.path.join(os.path.dirname(sys.executable), "prefect")
-    proc = subprocess.Popen([prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+    proc = subprocess.Popen([prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env={**os.environ, **first},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     t0 = time.monotonic()
     while not healthy(url):

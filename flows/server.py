@@ -72,50 +72,110 @@ def lease() -> Iterator[None]:
         f.unlink(missing_ok=True)
 
 
-def ensure() -> str | None:
-    """Point this process's Prefect at the shared local server, starting it when none answers; the API URL, or None
-    when Prefect should do as it does by itself (PREFECT_API_URL set by the user, or TRTFORGE_PREFECT=ephemeral)."""
-    if os.environ.get("PREFECT_API_URL") or os.environ.get("TRTFORGE_PREFECT") == "ephemeral":
+_mine: dict | None = None  # the shared server this process pointed Prefect at (begin), healthy or starting
+_spawned_by: int | None = None  # the pid of the process that started it, when this one did (a fork inherits this)
+_used = False  # whether a flow of this process has used it (ensure)
+
+
+def _record() -> dict | None:
+    """The shared server's record when its watchdog lives (answering already, or still starting)."""
+    try:
+        st = json.loads(state_file().read_text())
+    except (OSError, ValueError):
         return None
+    return st if pid_alive(int(st.get("pid", 0))) else None
+
+
+def begin() -> bool:
+    """Point this process's Prefect at the shared local server, starting it in the background when none runs
+    (without waiting: a build's imports, config and preflight overlap its start; ensure() waits for it). True when
+    PREFECT_API_URL is set from here on (Prefect may be imported), False when Prefect does as it does by itself
+    (TRTFORGE_PREFECT=ephemeral, or Prefect configured in this process already, e.g. by a test harness)."""
+    global _mine, _spawned_by
+    if _mine is not None or os.environ.get("PREFECT_API_URL"):
+        return True
+    if os.environ.get("TRTFORGE_PREFECT") == "ephemeral":
+        return False
     if "prefect" in sys.modules:  # Prefect already configured in this process (a test harness, a served flow)
         from prefect.settings import get_current_settings
 
         if get_current_settings().api.url:
-            return None
-
+            return False
     d = lease_dir()
     d.mkdir(parents=True, exist_ok=True)
     (d / str(os.getpid())).touch()  # this build uses the server from now on (lease() releases it)
     st = running()
     if st is None:
         with named_lock(home(), "prefect-server"):  # two builds starting at once: one server
-            st = running() or start()
+            st = _record()
+            if st is None:
+                st, _spawned_by = spawn(), os.getpid()
     os.environ["PREFECT_API_URL"] = st["url"]
-    return st["url"]
-
-
-def found() -> bool:
-    """Point this process at the shared server when one already answers (nothing is started): Prefect can then be
-    imported early, while the build does its own work (Prefect reads PREFECT_API_URL when it is imported)."""
-    if os.environ.get("PREFECT_API_URL"):
-        return True
-    if os.environ.get("TRTFORGE_PREFECT") == "ephemeral" or "prefect" in sys.modules:
-        return False
-    st = running()
-    if st is None:
-        return False
-    d = lease_dir()
-    d.mkdir(parents=True, exist_ok=True)
-    (d / str(os.getpid())).touch()
-    os.environ["PREFECT_API_URL"] = st["url"]
+    _mine = st
     return True
 
 
-def start() -> dict:
-    """Start the watchdog (which starts the server) detached from this process, and wait until it answers."""
+def ensure() -> str | None:
+    """Point this process's Prefect at the shared local server, starting it when none answers, and wait until it
+    answers; the API URL, or None when Prefect should do as it does by itself (PREFECT_API_URL set by the user, or
+    TRTFORGE_PREFECT=ephemeral)."""
+    if _mine is None and (os.environ.get("PREFECT_API_URL") or not begin()):
+        return None
+    assert _mine is not None
+    wait(_mine)
+    global _used
+    _used = True
+    return _mine["url"]
+
+
+def release_unused() -> None:
+    """Stop the server this process started early (begin) when no flow used it after all (the build was up to date,
+    or its input bad) and no other build holds a lease: nothing keeps running for a command that needed no server."""
+    if _mine is None or _used or _spawned_by != os.getpid():
+        return
+    (lease_dir() / str(os.getpid())).unlink(missing_ok=True)
+    if not busy():
+        import signal
+
+        with contextlib.suppress(OSError):
+            os.kill(int(_mine["pid"]), signal.SIGTERM)
+
+
+def wait(st: dict) -> None:
+    """Until the server of this record answers; UnavailableError when its watchdog dies or it takes too long."""
     from tasks.errors import UnavailableError
 
+    t0 = time.monotonic()
+    while not healthy(st["url"], timeout=1.0):
+        if not pid_alive(int(st["pid"])) or time.monotonic() - t0 > STARTUP_SECONDS:
+            with contextlib.suppress(OSError):
+                os.kill(int(st["pid"]), 9)
+            raise UnavailableError(f"the local Prefect server on {st['url']} did not start "
+                                   f"(see {home() / 'trtforge-server.log'})",
+                                   fix="set PREFECT_API_URL to a running server, or TRTFORGE_PREFECT=ephemeral")
+        time.sleep(0.1)
+
+
+def seed_home() -> dict[str, str]:
+    """A new Prefect home's database starts from the migrated template when there is one (flows/templates.py): its
+    server then starts in about 3.5 s instead of 9. Not when the user names another database. Returns the settings
+    for the server's first start on it: the template is this Prefect release's schema with its block types registered,
+    so that start skips both checks (later starts make them as usual)."""
+    from flows.templates import seed
+
+    if any(os.environ.get(k) for k in ("PREFECT_API_DATABASE_CONNECTION_URL", "PREFECT_SERVER_DATABASE_CONNECTION_URL")):
+        return {}
+    if not seed(home() / "prefect.db", "prefect"):
+        return {}
+    skip = {"PREFECT_SERVER_DATABASE_MIGRATE_ON_START": "false", "PREFECT_SERVER_REGISTER_BLOCKS_ON_START": "false"}
+    return {k: v for k, v in skip.items() if k not in os.environ}
+
+
+def spawn() -> dict:
+    """Start the watchdog (which starts the server) detached from this process, and record it; nothing waits.
+    A new Prefect home starts from the migrated template database when there is one (flows/templates.py)."""
     home().mkdir(parents=True, exist_ok=True)
+    first = seed_home()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -123,21 +183,31 @@ def start() -> dict:
     log = open(home() / "trtforge-server.log", "ab")
     watchdog = subprocess.Popen([sys.executable, "-m", "flows.server", "serve", str(port)], stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                cwd=str(Path(__file__).resolve().parents[1]), env={**os.environ, "PREFECT_API_URL": ""})
+                                cwd=str(Path(__file__).resolve().parents[1]), env={**os.environ, "PREFECT_API_URL": "", **first})
     log.close()
-    t0 = time.monotonic()
-    while not healthy(url, timeout=1.0):
-        if watchdog.poll() is not None or time.monotonic() - t0 > STARTUP_SECONDS:
-            watchdog.kill()
-            raise UnavailableError(f"the local Prefect server on 127.0.0.1:{port} did not start "
-                                   f"(see {home() / 'trtforge-server.log'})",
-                                   fix="set PREFECT_API_URL to a running server, or TRTFORGE_PREFECT=ephemeral")
-        time.sleep(0.25)
     st = {"pid": watchdog.pid, "url": url, "port": port, "started": time.time()}
-    tmp = state_file().with_suffix(".tmp")
+    tmp = state_file().with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(st))
     tmp.replace(state_file())
     return st
+
+
+def pointed() -> bool:
+    """Whether this process's Prefect was pointed at the shared server by begin() (not by the user's
+    PREFECT_API_URL): a process started from here gets the user's environment, without it."""
+    return _mine is not None
+
+
+def without_heartbeats():
+    """Prefect's flow-run heartbeats off for a build's flow, unless the user sets PREFECT_FLOWS_HEARTBEAT_FREQUENCY:
+    the heartbeat thread sleeps in whole seconds and is joined when the flow ends (about a second per build, measured
+    in benchmarks/bench_build.py); trtforge detects killed builds itself (their leases and MLflow runs). A user whose
+    automations watch heartbeats (zombie flow runs) sets the variable and gets them back."""
+    if any(os.environ.get(k) for k in ("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "PREFECT_RUNNER_HEARTBEAT_FREQUENCY")):
+        return contextlib.nullcontext()
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+    return temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
 
 
 def _die_with_parent() -> None:
