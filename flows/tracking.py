@@ -14,6 +14,15 @@ def tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
 
 
+def seed_store(uri: str) -> None:
+    """A new SQLite tracking store starts from the migrated template database when there is one (flows/templates.py):
+    MLflow then skips its table creation and migrations."""
+    if uri.startswith("sqlite:///"):
+        from flows.templates import seed
+
+        seed(Path(uri[len("sqlite:///"):]), "mlflow")
+
+
 def artifact_location(uri: str) -> str | None:
     """Artifacts live beside the SQLite store they belong to (MLflow's default is ./mlruns of whatever cwd)."""
     if uri.startswith("sqlite:///"):
@@ -42,6 +51,7 @@ def use_experiment(name: str) -> str:
 
     _quiet()
     uri = tracking_uri()
+    seed_store(uri)
     mlflow.set_tracking_uri(uri)
     # the first use of a store creates its tables: builds running in parallel take turns (else half-migrated reads)
     with named_lock(Path(uri), "mlflow-store"):
@@ -60,11 +70,15 @@ def warm(prefect: bool = False) -> None:
     Errors are left for the real calls to report."""
     import threading
 
+    from flows import timeline
+
     def work() -> None:
         try:
-            if prefect:
-                import prefect as _  # noqa: F401
+            if with_prefect:  # (not `prefect`: the import below would make that name local to work())
                 import prefect.cache_policies  # noqa: F401
+                import prefect.flow_engine  # noqa: F401
+                import prefect.task_engine  # noqa: F401
+                timeline.mark("warm: prefect imported")
             from flows.locks import named_lock
 
             uri = tracking_uri()
@@ -72,9 +86,11 @@ def warm(prefect: bool = False) -> None:
             with named_lock(Path(uri), "mlflow-store"):  # a new store creates its tables: one build at a time
                 c._tracking_client.store  # noqa: B018  (MLflow caches the store per URI)
             c._get_registry_client().store  # noqa: B018
+            timeline.mark("warm: mlflow store open")
         except Exception:  # noqa: BLE001 - the build's own calls report what is wrong
             pass
 
+    with_prefect = prefect
     threading.Thread(target=work, name="trtforge-warm", daemon=True).start()
 
 
@@ -87,7 +103,9 @@ def client():
     from mlflow.tracking import MlflowClient
 
     _quiet()
-    return MlflowClient(tracking_uri())
+    uri = tracking_uri()
+    seed_store(uri)
+    return MlflowClient(uri)
 
 
 def run_matches(run_id: str, key: str) -> dict | None:

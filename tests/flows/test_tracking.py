@@ -92,3 +92,31 @@ def test_a_run_left_running_by_a_killed_build_is_ended_by_the_next_build_on_any_
     assert c.get_run(elsewhere).info.status == "FAILED" and "another-host" in c.get_run(elsewhere).data.tags["failure"]
     assert c.get_run(alive).info.status == "RUNNING"  # another host's build still reporting: left alone
     c.set_terminated(alive)
+
+
+WARM = r"""
+import json, sys, threading
+from flows.tracking import warm
+warm(prefect=True)
+next(t for t in threading.enumerate() if t.name == "trtforge-warm").join(120)
+print("WARM " + json.dumps({m: m in sys.modules for m in ("prefect.flow_engine", "prefect.task_engine", "mlflow")}))
+"""
+
+
+def test_warm_loads_prefect_and_mlflow_and_opens_the_store_in_the_background(tmp_path):
+    """What a build needs from Prefect and MLflow loads beside its preflight and the server's start (a build then
+    only waits for what is not done yet): the modules are imported and a new tracking store is created."""
+    import subprocess
+    import sys
+
+    store = tmp_path / "mlflow.db"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{store}", "PREFECT_API_URL": "http://127.0.0.1:9/api",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    p = subprocess.run([sys.executable, "-c", WARM], env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    loaded = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("WARM "))[5:])
+    assert loaded == {"prefect.flow_engine": True, "prefect.task_engine": True, "mlflow": True}
+    import sqlite3
+
+    with sqlite3.connect(store) as con:  # the store's tables exist: MLflow opened it
+        assert con.execute("select count(*) from alembic_version").fetchone()[0] == 1
