@@ -75,11 +75,13 @@ def run_pipeline(tmp: Path, label: str, precision: str, cache: str) -> dict:
     cmd = [python_exe(), "-m", "flows.build", f"model={MODEL}", f"target={TARGET}", f"precision={precision}",
            f"cache_dir={tmp / cache}", f"out_dir={tmp / ('out_' + label)}", f"summary_out={summary_path}"]
     env = pipeline_env(tmp)
+    timeline = tmp / f"timeline.{label}.jsonl"
+    env["TRTFORGE_TIMELINE"] = str(timeline)  # the run's own phase marks (flows/timeline.py)
     from flows import daemon
 
     served_before = daemon.served(env)
     print(f"  pipeline {label:<10} precision={precision} cache={cache} ...", end=" ", flush=True)
-    t0 = time.perf_counter()
+    t0, epoch0 = time.perf_counter(), time.time()
     p = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     print(f"{wall:.1f}s (exit {p.returncode})", flush=True)
@@ -89,8 +91,9 @@ def run_pipeline(tmp: Path, label: str, precision: str, cache: str) -> dict:
     m = re.search(r": (?:ok|failed) in ([\d.]+)s", p.stdout)
     summary = json.loads(summary_path.read_text())
     stage_s = sum(float(s.get("seconds") or 0.0) for s in summary["stages"].values())
+    marks = dict(json.loads(timeline.read_text().splitlines()[-1])["marks"]) if timeline.is_file() else {}
     return {"label": label, "wall": wall, "in_process": float(m.group(1)) if m else None, "summary": summary,
-            "warm": daemon.served(env) > served_before,
+            "warm": daemon.served(env) > served_before, "marks": marks, "epoch0": epoch0, "epoch1": epoch0 + wall,
             "stage_sum": stage_s, "out_dir": tmp / ("out_" + label) / MODEL / TARGET / precision}
 
 
@@ -122,8 +125,10 @@ def trivial():
     for i in range(7):  # 6 stages + track
         noop(i)
 
-t = time.perf_counter(); trivial(); lap("prefect: 1st flow in the process", t)
-t = time.perf_counter(); trivial(); lap("prefect: 2nd flow, same process (server up)", t)
+with flows.server.without_heartbeats():  # as a build runs its flow
+    t = time.perf_counter(); trivial(); lap("prefect: 1st flow in the process", t)
+    time.sleep(2)  # a build's flows are seconds apart: the server has caught up with the last one's events
+    t = time.perf_counter(); trivial(); lap("prefect: 2nd flow, same process (server up)", t)
 
 from omegaconf import OmegaConf
 from flows.config import compose_config, flat_params
@@ -259,6 +264,27 @@ def stage_cell(run: dict, name: str) -> str:
     return f"{st.get('status', '-')} {float(st.get('seconds') or 0):.2f}"
 
 
+PHASES = (("start", "start"), ("to_server", "to server"), ("flow_run", "flow run"), ("between", "between"),
+          ("track", "track"), ("publish", "publish"), ("exit", "exit"))
+
+
+def phases(run: dict) -> dict:
+    """Seconds of each phase around the stages, from the marks the run wrote (epoch seconds)."""
+    m, out = run["marks"], {}
+    if not m:
+        return out
+    span = lambda a, b: (m[b] - m[a]) if a in m and b in m else None  # noqa: E731
+    out["start"] = m["command started"] - run["epoch0"] if "command started" in m else None
+    out["to_server"] = span("command started", "prefect server answers")
+    out["flow_run"] = span("prefect server answers", "flow run started")
+    flow = span("flow run started", "stages done")
+    out["between"] = None if flow is None else flow - run["stage_sum"]
+    out["track"] = span("stages done", "tracked")
+    out["publish"] = span("tracked", "run ended")
+    out["exit"] = run["epoch1"] - m["run ended"] if "run ended" in m else None
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer raw ONNX Runtime runs (10 instead of 30)")
@@ -348,32 +374,21 @@ def main() -> int:
         print(table(["stage", "fp32 cold", "fp32 warm", "fp16 cold"], srows))
         print()
 
-        print("== fixed overheads (wall minus stage seconds) ==")
+        print("== fixed overheads (wall minus stage seconds), split by the run's own marks (TRTFORGE_TIMELINE) ==")
         orows = []
         for r, state in ((cold, "fresh"), (warm, "existing"), (fp16, "existing")):
-            ip, pr = r["in_process"], (None if r["warm"] else probes[state])  # a warm build paid no imports: no split
-            prefect = (pr["prefect: the shared local server (found, or started)"] + pr["prefect: 1st flow in the process"]) \
-                if pr else None
-            mlf = (pr["import mlflow"] + pr["mlflow: 1st log_build in the process"]) if pr else None
-            rest = ip - r["stage_sum"] - prefect - mlf if ip and prefect is not None and mlf is not None else None
             over, goal = r["wall"] - r["stage_sum"], GOALS[state]
+            ph = phases(r)
             orows.append([f"{r['label']} ({state} state{', warm process' if r['warm'] else ''})", f"{over:.2f}",
-                          f"<= {goal:.0f}",
-                          "met" if over <= goal else f"not met (+{over - goal:.1f} s)",
-                          f"{r['wall'] - ip:.2f}" if ip else "-", "-" if prefect is None else f"{prefect:.2f}",
-                          "-" if mlf is None else f"{mlf:.2f}", "-" if rest is None else f"{rest:.2f}" + ("*" if rest < 0 else "")])
-        print(table(["run", "wall - stages", "goal", "", "process start + imports", "Prefect server",
-                     "MLflow import+log", "other"], orows))
-        print("process start + imports = subprocess wall - the CLI's own 'ok in' time (interpreter, Prefect/Hydra "
-              "imports, config);\n"
-              "Prefect server and MLflow come from the probes below (same state as the run); "
-              "other = the rest of the in-flow time outside stages\n"
-              "(preflight: ONNX load, profile checks, TensorRT import; "
-              "Prefect task runs; publish) and probe-vs-run noise.\n"
-              "A run served by the warm build process (flows/daemon.py, left by the first build) pays no interpreter "
-              "start or imports: its overhead is Prefect's flow and task runs, MLflow logging and the report.")
-        if any(r[-1].endswith("*") for r in orows):
-            print("* negative: a probe took longer than the same work inside the run (host load varied between them).")
+                          f"<= {goal:.0f}", "met" if over <= goal else f"not met (+{over - goal:.1f} s)"]
+                         + [("-" if ph.get(k) is None else f"{ph[k]:.2f}") for k, _ in PHASES])
+        print(table(["run", "wall - stages", "goal", ""] + [h for _, h in PHASES], orows))
+        print("start = process start to the command's start (interpreter, the warm-process check, imports; a run served "
+              "by the warm process\n  pays neither); to server = config, up-to-date check, preflight and the wait for "
+              "the shared Prefect server (its start\n  runs beside them); flow run = Prefect creating the flow run; "
+              "between = in the flow, outside the stages; track = report,\n  versions, MLflow run and registry; publish = "
+              "the result made current and the run ended; exit = summary printed, process gone.\n"
+              "The probes below time the same pieces one after another in a fresh process (nothing overlapped).")
         print()
         for state, pr in probes.items():
             if pr:

@@ -20,6 +20,12 @@ if __name__ == "__main__":  # the CLI: a warm build process takes the build when
     _status = delegate("flows.build:main", sys.argv[1:])
     if _status is not None:
         sys.exit(_status)
+    if not {"-h", "--help", "-c", "--cfg"} & set(sys.argv[1:]):  # the shared local Prefect server (when none runs)
+        from flows.config import env_defaults                      # starts while this process imports and checks
+        from flows.server import begin                              # its input (stopped again when no flow needs it)
+
+        env_defaults()
+        begin()
 
 from flows.config import env_defaults  # noqa: E402
 
@@ -27,7 +33,7 @@ env_defaults()  # before Prefect and MLflow are imported
 
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from flows import server as prefect_server  # noqa: E402
-from flows import stages  # noqa: E402
+from flows import stages, timeline  # noqa: E402
 from flows.context import CODE, TRTFORGE_VERSION, BuildContext, BuildIdentity  # noqa: E402
 from flows.lazy import NONE, flow, task  # noqa: E402  (Prefect is imported when a build has work)
 from flows.cache import (StageCache, build_key, new_result_dir, named_lock, publish_dir, published,  # noqa: E402
@@ -58,10 +64,12 @@ def build_flow(ctx: BuildContext, run_name: str) -> dict:
     from prefect.runtime import flow_run
 
     ctx.origin = {"run": f"{flow_run.get_name()} ({flow_run.get_id()})"}  # stored with every result computed here
+    timeline.mark("flow run started")
     for name in stages.STAGE_NAMES:  # export, partition, build, calibrate, validate, benchmark
         stage(name, ctx)
         if ctx.error is not None and ctx.error.exit_code != 1:
             return None  # bad input (or a host that cannot build it) found mid-way: nothing is published or tracked
+    timeline.mark("stages done")
     return publish(ctx)
 
 
@@ -115,6 +123,7 @@ def publish(ctx: BuildContext) -> dict:
                                                                 "overrides": ctx.identity.overrides},
                     tolerance=ctx.identity.tolerance, started=ctx.identity.started)
         summary["mlflow"] = run
+        timeline.mark("tracked")
         write_json(tmp / "summary.json", summary)  # with its run: what the up-to-date check compares
         publish_dir(tmp, final)
     except BaseException as e:
@@ -181,22 +190,28 @@ def run_build(cfg: DictConfig, config_dir: str | None = None, show_progress: boo
         with named_lock(result_dir(cfg), "build"):
             done = up_to_date(cfg, key)
             if done is None:
-                # Prefect (when the shared server already answers) and MLflow load in the background meanwhile
-                warm(prefect=prefect_server.found())
+                # the shared local Prefect server starts (unless one runs) while Prefect and MLflow load in the
+                # background and preflight checks the inputs
+                warm(prefect=prefect_server.begin())
+                timeline.mark("work found")
                 identity = BuildIdentity(
                     cache_key=key, build_id=uuid.uuid4().hex, tolerance=tolerance, started=started,
                     config_dir=str(Path(config_dir).expanduser().resolve()) if config_dir else "",
                     overrides=json.dumps(list(overrides) if overrides is not None else None))
                 ctx = BuildContext(cfg=cfg, inputs=preflight(cfg, config_dir), identity=identity,
                                    cache=StageCache(cfg.cache_dir), show_progress=show_progress, on_stage=on_stage)
+                timeline.mark("preflight done")
                 name = f"{cfg.model.name}-{cfg.target.name}-{cfg.precision.name}"
-                prefect_server.ensure()  # the machine's shared local Prefect server, started if none answers
-                with prefect_server.lease():
+                prefect_server.ensure()  # the machine's shared local Prefect server answers (waits for its start)
+                timeline.mark("prefect server answers")
+                with prefect_server.lease(), prefect_server.without_heartbeats():
                     summary = build_flow(ctx, run_name=name)
                 if summary is None:  # bad input found by a stage: nothing published or tracked
                     raise ctx.error
+                timeline.mark("flow done")
                 # published and registered, the flow done: only now is the run ok and FINISHED, ending with the build
                 end_run(summary["mlflow"]["run_id"], ok=summary["status"] == "ok")
+                timeline.mark("run ended")
                 return summary
     if on_stage:
         for name, entry in done["stages"].items():
@@ -241,9 +256,12 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
                 print_summary(r["summary"], r["seconds"])
             else:
                 print(f"trtforge: error: {' '.join(r['overrides'])}: {r['error']}", file=sys.stderr)
-        return run_sweep(combos, args.config_dir, report, run_build, up_to_date)
+        code = run_sweep(combos, args.config_dir, report, run_build, up_to_date)
+        prefect_server.release_unused()
+        return code
     for i, overrides in enumerate(combos):
         started = started if i == 0 else time.time()  # each build of a list starts when the one before ended
+        timeline.mark("command started", started)
         try:
             cfg = compose_config(overrides, args.config_dir)
             if args.cfg:
@@ -256,6 +274,8 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
                       f"{summary['up_to_date']}); nothing to do")
             print_summary(summary, time.time() - started)
             code = max(code, 0 if summary["status"] == "ok" else 1)
+            timeline.mark("reported")
+            timeline.flush()
         except TrtforgeError as e:
             if os.environ.get("TRTFORGE_TRACEBACK"):
                 raise
@@ -267,8 +287,11 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
             print(f"trtforge: internal error: {type(e).__name__}: {cause(e)}\n"
                   "  fix: rerun with TRTFORGE_TRACEBACK=1 for the traceback and report it", file=sys.stderr)
             code = max(code, 1)
+    prefect_server.release_unused()
     return code
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from flows.cli import exit_now
+
+    exit_now(main())

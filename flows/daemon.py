@@ -34,7 +34,7 @@ IDLE_SECONDS = float(os.environ.get("TRTFORGE_DAEMON_IDLE", "600"))
 VOLATILE = ("PWD", "OLDPWD", "SHLVL", "_", "COLUMNS", "LINES", "TERM", "COLORTERM", "TERM_PROGRAM",
             "TERM_PROGRAM_VERSION", "TMUX", "TMUX_PANE", "STY", "WINDOW", "DISPLAY", "WINDOWID", "SSH_CLIENT",
             "SSH_CONNECTION", "SSH_TTY", "SSH_AUTH_SOCK", "MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKE_TERMOUT",
-            "MAKE_TERMERR", "PS1", "PROMPT_COMMAND", "TRTFORGE_DAEMON_IDLE")
+            "MAKE_TERMERR", "PS1", "PROMPT_COMMAND", "TRTFORGE_DAEMON_IDLE", "TRTFORGE_TIMELINE")
 
 
 WARM = False  # True in a build forked from a warm process (a sweep then forks its workers too)
@@ -153,9 +153,14 @@ def spawn(ident: str) -> None:
     """Start a warm process for this identity, detached; nothing waits for it."""
     path = socket_path(ident)
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    from flows import server
+
+    env = dict(os.environ)
+    if server.pointed():  # this build's own pointer at the shared server, not the user's: the warm process finds
+        env.pop("PREFECT_API_URL", None)  # (or starts) the server itself and holds a lease on it while it lives
     log = open(path.with_suffix(".log"), "ab")
     subprocess.Popen([sys.executable, "-m", "flows.daemon", "serve", ident], stdin=subprocess.DEVNULL, stdout=log,
-                     stderr=subprocess.STDOUT, start_new_session=True, cwd=str(ROOT), env=dict(os.environ))
+                     stderr=subprocess.STDOUT, start_new_session=True, cwd=str(ROOT), env=env)
     log.close()
 
 

@@ -62,3 +62,35 @@ def test_builds_share_one_local_server_and_a_killed_build_leaves_nothing_running
     while server_processes(st["port"]) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not server_processes(st["port"])
+
+
+def test_a_command_with_bad_input_leaves_no_server_running(tmp_path, user_config_dir):
+    """The CLI starts the shared server early (beside its imports and checks); a command whose input is bad needs no
+    flow, so the server it started is stopped again before it exits."""
+    p = cli(tmp_path, user_config_dir, "precision=fp33")
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "precision" in p.stderr
+    log = tmp_path / "prefect" / "trtforge-server.log"
+    assert log.is_file()  # it was started (early) ...
+    deadline = time.monotonic() + 30
+    state = tmp_path / "prefect" / "trtforge-server.json"
+    while state.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not state.exists(), "the server a bad command started is still running"  # ... and stopped
+
+
+def test_builds_run_their_flow_without_prefect_heartbeats_unless_the_user_wants_them(monkeypatch):
+    from prefect.settings import get_current_settings
+
+    from flows.server import without_heartbeats
+
+    monkeypatch.delenv("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", raising=False)
+    monkeypatch.delenv("PREFECT_RUNNER_HEARTBEAT_FREQUENCY", raising=False)
+    default = get_current_settings().flows.heartbeat_frequency
+    assert default is not None
+    with without_heartbeats():
+        assert get_current_settings().flows.heartbeat_frequency is None
+    assert get_current_settings().flows.heartbeat_frequency == default
+    monkeypatch.setenv("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "60")
+    with without_heartbeats():  # the user's setting wins: Prefect reads it as it always does
+        assert get_current_settings().flows.heartbeat_frequency == default
