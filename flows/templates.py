@@ -64,10 +64,11 @@ def _publish(made: Path, lib: str) -> Path:
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(f".{dst.name}.{os.getpid()}")
     with contextlib.closing(sqlite3.connect(made)) as src, contextlib.closing(sqlite3.connect(tmp)) as out:
+        mode = src.execute("PRAGMA journal_mode").fetchone()[0]
         src.backup(out)
-    with contextlib.closing(sqlite3.connect(tmp)) as out:
-        out.execute("PRAGMA journal_mode=DELETE")
-    tmp.replace(dst)
+    with contextlib.closing(sqlite3.connect(tmp)) as out:  # the library's journal mode, kept in the file: Prefect's
+        out.execute(f"PRAGMA journal_mode={mode}")        # WAL switched on by its first connections would lock the
+    tmp.replace(dst)                                      # others out ("database is locked" on the first flow run)
     return dst
 
 
