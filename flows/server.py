@@ -4,7 +4,9 @@ Without PREFECT_API_URL, Prefect 3 starts a temporary API server in a subprocess
 about 4-7 s each time (13 s on a new database), which dominated every small build, sweep entry and scheduled rebuild.
 Here the first build starts `prefect server start` on a free port of 127.0.0.1, detached, under a watchdog
 (`python -m flows.server serve`), records it in `$PREFECT_HOME/trtforge-server.json`, and every later build finds it
-there and only checks its health (milliseconds). Each build holds a lease (a file named after its pid) while it runs;
+there and only checks its health (milliseconds). The start is begun early (begin(): the CLI's first step, before its
+imports, config and preflight) and waited for only when the flow begins (ensure()); a new Prefect home starts from a
+migrated template database (flows/templates.py). Each build holds a lease (a file named after its pid) while it runs;
 the watchdog stops the server once no live build has held a lease for TRTFORGE_SERVER_IDLE seconds (default 600). A
 killed build's lease dies with its pid, so nothing outlives builds for long.
 
@@ -138,7 +140,10 @@ def release_unused() -> None:
         import signal
 
         with contextlib.suppress(OSError):
-            os.kill(int(_mine["pid"]), signal.SIGTERM)
+            os.kill(int(_mine["pid"]), signal.SIGTERM)  # (its server follows it: PR_SET_PDEATHSIG)
+        with contextlib.suppress(OSError, ValueError):  # a watchdog stopped before its handler was set leaves the record
+            if json.loads(state_file().read_text()).get("pid") == _mine["pid"]:
+                state_file().unlink()
 
 
 def wait(st: dict) -> None:
