@@ -150,14 +150,39 @@ def wait(st: dict) -> None:
     """Until the server of this record answers; UnavailableError when its watchdog dies or it takes too long."""
     from tasks.errors import UnavailableError
 
-    t0 = time.monotonic()
+    t0, fresh = time.monotonic(), False
     while not healthy(st["url"], timeout=1.0):
+        fresh = True
         if not pid_alive(int(st["pid"])) or time.monotonic() - t0 > STARTUP_SECONDS:
             with contextlib.suppress(OSError):
                 os.kill(int(st["pid"]), 9)
             raise UnavailableError(f"the local Prefect server on {st['url']} did not start "
                                    f"(see {home() / 'trtforge-server.log'})",
                                    fix="set PREFECT_API_URL to a running server, or TRTFORGE_PREFECT=ephemeral")
+        time.sleep(0.1)
+    if fresh:
+        _first_write(st["url"])
+
+
+def _first_write(url: str, seconds: float = 5.0) -> None:
+    """The first write to a server that has just started: the flow every build creates first (`trtforge-build`),
+    retried every 0.1 s while the server answers 503. Its start-up services hold SQLite's write lock for a moment
+    after it answers /health; Prefect's client, meeting that with the first flow run, backs off for 2 s."""
+    import urllib.error
+
+    body = json.dumps({"name": "trtforge-build"}).encode()
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        req = urllib.request.Request(f"{url.rstrip('/')}/flows/", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=2.0):
+                return
+        except urllib.error.HTTPError as e:
+            if e.code != 503:
+                return  # not the lock: the build's own calls report anything real
+        except OSError:
+            return
         time.sleep(0.1)
 
 

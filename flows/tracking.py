@@ -65,8 +65,8 @@ def use_experiment(name: str) -> str:
 
 
 def warm(prefect: bool = False) -> None:
-    """Import MLflow and open the tracking store (and Prefect, when ``prefect``: its API URL must be set) in a
-    background thread, while the build does its own work: seconds of imports and store set-up off the critical path.
+    """Import MLflow and open the tracking store when it exists (and Prefect, when ``prefect``: its API URL must be
+    set) in a background thread, while the build does its own work: seconds of imports and store set-up off the critical path.
     Errors are left for the real calls to report."""
     import threading
 
@@ -82,6 +82,13 @@ def warm(prefect: bool = False) -> None:
             from flows.locks import named_lock
 
             uri = tracking_uri()
+            if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
+                # a new store is made by the build's run, not here: a build stopped by bad input leaves no file
+                import mlflow.store.model_registry.sqlalchemy_store  # noqa: F401
+                import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
+                from mlflow.tracking import MlflowClient  # noqa: F401
+                timeline.mark("warm: mlflow imported")
+                return
             c = client()
             with named_lock(Path(uri), "mlflow-store"):  # a new store creates its tables: one build at a time
                 c._tracking_client.store  # noqa: B018  (MLflow caches the store per URI)

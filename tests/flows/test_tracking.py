@@ -105,7 +105,8 @@ print("WARM " + json.dumps({m: m in sys.modules for m in ("prefect.flow_engine",
 
 def test_warm_loads_prefect_and_mlflow_and_opens_the_store_in_the_background(tmp_path):
     """What a build needs from Prefect and MLflow loads beside its preflight and the server's start (a build then
-    only waits for what is not done yet): the modules are imported and a new tracking store is created."""
+    only waits for what is not done yet): the modules are imported, an existing store is opened, and a new one is
+    left to the build's run (a build stopped by bad input leaves no file behind)."""
     import subprocess
     import sys
 
@@ -116,7 +117,4 @@ def test_warm_loads_prefect_and_mlflow_and_opens_the_store_in_the_background(tmp
     assert p.returncode == 0, p.stderr[-2000:]
     loaded = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("WARM "))[5:])
     assert loaded == {"prefect.flow_engine": True, "prefect.task_engine": True, "mlflow": True}
-    import sqlite3
-
-    with sqlite3.connect(store) as con:  # the store's tables exist: MLflow opened it
-        assert con.execute("select count(*) from alembic_version").fetchone()[0] == 1
+    assert not store.exists()
