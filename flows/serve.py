@@ -10,22 +10,14 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 
 from flows.config import env_defaults
+from flows.server import healthy
 from flows.rebuild import settings
 
 env_defaults()
 
 DEPLOYMENT = "scheduled"
-
-
-def healthy(api_url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{api_url.rstrip('/')}/health", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 def ensure_server(port: int = 4200, timeout: float = 120.0) -> tuple[str, subprocess.Popen | None]:

@@ -52,6 +52,12 @@ def healthy(api_url: str, timeout: float = 2.0) -> bool:
         return False
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def running() -> dict | None:
     """The shared server's record when it answers, else None."""
     try:
@@ -206,9 +212,7 @@ def spawn() -> dict:
     A new Prefect home starts from the migrated template database when there is one (flows/templates.py)."""
     home().mkdir(parents=True, exist_ok=True)
     first = seed_home()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     url = f"http://127.0.0.1:{port}/api"
     log = open(home() / "trtforge-server.log", "ab")
     watchdog = subprocess.Popen([sys.executable, "-m", "flows.server", "serve", str(port)], stdout=log,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -76,9 +75,9 @@ def make_prefect(timeout: float = 120.0) -> Path:
     """Start `prefect server start` on a new database in a scratch PREFECT_HOME (it migrates and registers its
     block types as on any first start), stop it, keep the database."""
     with tempfile.TemporaryDirectory(prefix="trtforge-template-") as d:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        from flows.server import free_port, healthy
+
+        port = free_port()
         env = {k: v for k, v in os.environ.items()
                if k not in ("PREFECT_API_URL", "PREFECT_API_DATABASE_CONNECTION_URL",
                             "PREFECT_SERVER_DATABASE_CONNECTION_URL")}
@@ -90,15 +89,7 @@ def make_prefect(timeout: float = 120.0) -> Path:
                                     env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
         try:
             t0 = time.monotonic()
-            import urllib.request
-
-            while True:
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=1.0) as r:
-                        if r.status == 200:
-                            break
-                except OSError:
-                    pass
+            while not healthy(f"http://127.0.0.1:{port}/api", timeout=1.0):
                 if proc.poll() is not None or time.monotonic() - t0 > timeout:
                     raise RuntimeError(f"prefect server start did not answer: {log.read_text()[-1500:]}")
                 time.sleep(0.25)
