@@ -493,9 +493,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     built = [r for r in rows if r["status"] != "not installed"]
-    bad = [r for r in built if r["status"] != "ok"]
+    refused = [r for r in built if r["status"] == "refused"]  # by design, with the reason: not a failure
+    bad = [r for r in built if r["status"] not in ("ok", "refused")]
     skipped = len(rows) - len(built)
-    print(f"\n{len(built) - len(bad)} of {len(built)} builds ok" + (f"; {skipped} models not installed" if skipped else ""))
+    print(f"\n{len(built) - len(bad) - len(refused)} of {len(built)} builds ok"
+          + (f"; {len(refused)} refused by design" if refused else "")
+          + (f"; {skipped} models not installed" if skipped else ""))
     return 1 if bad else 0
 
 
