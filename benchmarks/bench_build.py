@@ -396,9 +396,11 @@ def main() -> int:
                 print(table(["what", "seconds"], [[k, f"{v:.2f}"] for k, v in pr.items()]))
                 print()
     finally:
-        from flows import daemon
+        from flows import daemon, server
 
         daemon.stop(pipeline_env(tmp))  # its warm process exits
+        for home in (tmp / "prefect", tmp / "probe" / "prefect"):  # and the shared servers of its Prefect homes
+            server.shutdown(home)
         if args.keep:
             print(f"\nkept {tmp}")
         else:

@@ -117,9 +117,10 @@ def main() -> int:
             print(f"{name:<{w}}  {sec:8.2f}  {ratio:7.3f}")
         print("goal: no-op <= 0.1x cold (bar 0.25x)")
     finally:
-        from flows import daemon
+        from flows import daemon, server
 
         daemon.stop(bench_env(tmp))
+        server.shutdown(tmp / "prefect")  # its shared Prefect server goes with the temp folder
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
 

@@ -345,11 +345,13 @@ def zoo_env(tmp: Path) -> dict:
 
 
 def stop_warm(tmp: Path) -> None:
-    """The zoo's warm build process goes with its temp folder (without its socket it exits within a second)."""
+    """The zoo's warm build process and shared Prefect server go with its temp folder."""
     sys.path.insert(0, str(ROOT))
-    from flows import daemon
+    from flows import daemon, server
 
-    daemon.stop(zoo_env(tmp))
+    env = zoo_env(tmp)
+    daemon.stop(env)  # (without its socket it exits within a second)
+    server.shutdown(Path(env["PREFECT_HOME"]))
 
 
 def build_models(names: list[str], precisions: list[str], target: str, tmp: Path, timeout: int,

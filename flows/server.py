@@ -298,15 +298,17 @@ def serve(port: int) -> int:
     return server.returncode or 0
 
 
-def shutdown() -> bool:
-    """Stop the shared server now (tests, `make clean`); True when one was running."""
+def shutdown(prefect_home: Path | None = None) -> bool:
+    """Stop the shared server of this (or that) Prefect home now (tests, benchmarks, `make clean`); True when one was
+    running."""
+    record = (prefect_home / "trtforge-server.json") if prefect_home else state_file()
     try:
-        st = json.loads(state_file().read_text())
+        st = json.loads(record.read_text())
     except (OSError, ValueError):
         return False
     pid = int(st.get("pid", 0))
     if not pid_alive(pid):
-        state_file().unlink(missing_ok=True)
+        record.unlink(missing_ok=True)
         return False
     import signal
 
