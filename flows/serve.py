@@ -12,7 +12,7 @@ import sys
 import time
 
 from flows.config import env_defaults
-from flows.server import healthy
+from flows.net import healthy
 from flows.rebuild import settings
 
 env_defaults()

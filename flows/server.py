@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Iterator
 
 from flows.locks import named_lock, pid_alive
+from flows.net import free_port, healthy  # noqa: F401  (healthy: also for callers of this module)
 
 IDLE_SECONDS = float(os.environ.get("TRTFORGE_SERVER_IDLE", "600"))
 STARTUP_SECONDS = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90"))
@@ -42,20 +42,6 @@ def state_file() -> Path:
 
 def lease_dir() -> Path:
     return home() / "trtforge-leases"
-
-
-def healthy(api_url: str, timeout: float = 2.0) -> bool:
-    try:
-        with urllib.request.urlopen(f"{api_url.rstrip('/')}/health", timeout=timeout) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def running() -> dict | None:

@@ -75,7 +75,7 @@ def make_prefect(timeout: float = 120.0) -> Path:
     """Start `prefect server start` on a new database in a scratch PREFECT_HOME (it migrates and registers its
     block types as on any first start), stop it, keep the database."""
     with tempfile.TemporaryDirectory(prefix="trtforge-template-") as d:
-        from flows.server import free_port, healthy
+        from flows.net import free_port, healthy
 
         port = free_port()
         env = {k: v for k, v in os.environ.items()
