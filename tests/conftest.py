@@ -319,3 +319,16 @@ def stop_the_shared_prefect_server():
     from flows.server import shutdown
 
     shutdown()
+
+
+@pytest.fixture(autouse=True)
+def stop_the_servers_a_test_started(request):
+    """A test whose CLI builds used a Prefect home of its own (tmp_path/...): that home's shared server stops with the
+    test instead of idling on for TRTFORGE_SERVER_IDLE seconds."""
+    tmp = request.getfixturevalue("tmp_path") if "tmp_path" in request.fixturenames else None  # (held past yield)
+    yield
+    if tmp is not None:
+        from flows.server import shutdown
+
+        for record in tmp.glob("*/trtforge-server.json"):
+            shutdown(record.parent)
