@@ -104,7 +104,7 @@ args = json.loads(sys.argv[1])
 out = {}
 def lap(key, t):
     out[key] = time.perf_counter() - t
-from flows.config import env_defaults; env_defaults()
+from flows.env import env_defaults; env_defaults()
 # the shared server first: Prefect reads PREFECT_API_URL when it is imported (a build imports it after ensure())
 t = time.perf_counter(); import flows.server; flows.server.ensure(); lap("prefect: the shared local server (found, or started)", t)
 t = time.perf_counter()

@@ -21,13 +21,13 @@ if __name__ == "__main__":  # the CLI: a warm build process takes the build when
     if _status is not None:
         sys.exit(_status)
     if not {"-h", "--help", "-c", "--cfg"} & set(sys.argv[1:]):  # the shared local Prefect server (when none runs)
-        from flows.config import env_defaults                      # starts while this process imports and checks
+        from flows.env import env_defaults                          # starts while this process imports and checks
         from flows.server import begin                              # its input (stopped again when no flow needs it)
 
         env_defaults()
         begin()
 
-from flows.config import env_defaults  # noqa: E402
+from flows.env import env_defaults  # noqa: E402
 
 env_defaults()  # before Prefect and MLflow are imported
 

@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from flows.config import env_defaults
+from flows.env import env_defaults
 
 env_defaults()
 

@@ -3,7 +3,6 @@ whole-config check that runs before the first heavy step."""
 from __future__ import annotations
 
 import difflib
-import os
 import re
 from dataclasses import fields, is_dataclass
 from pathlib import Path
@@ -297,17 +296,3 @@ def flat_params(cfg: DictConfig) -> dict[str, str]:
 
     walk("", OmegaConf.to_container(cfg, resolve=True))
     return out
-
-
-def env_defaults() -> None:
-    """Quiet, offline-safe defaults for the embedded Prefect server and MLflow (the user's env wins)."""
-    for k, v in {
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
-        "PREFECT_LOGGING_LEVEL": "WARNING",
-        "PREFECT_LOGGING_TO_API_ENABLED": "false",
-        "MLFLOW_DISABLE_TELEMETRY": "true",
-        "DO_NOT_TRACK": "true",
-        "TQDM_DISABLE": "1",
-    }.items():
-        os.environ.setdefault(k, v)

@@ -185,7 +185,7 @@ WARM_MODULES = (
 def warm_up() -> str | None:
     """Import what a build uses, with Prefect pointed at the shared local server first (Prefect reads its API URL
     when imported). Returns the server's URL (None: the user's PREFECT_API_URL or Prefect's own)."""
-    from flows.config import env_defaults
+    from flows.env import env_defaults
 
     env_defaults()
     from flows import server
@@ -369,7 +369,7 @@ def _child(conn: socket.socket, fds: list[int], request: dict) -> None:
         url = os.environ.get("PREFECT_API_URL")  # the shared server this process's Prefect was pointed at
         os.environ.clear()
         os.environ.update(request["env"])
-        from flows.config import env_defaults
+        from flows.env import env_defaults
 
         env_defaults()
         if url:

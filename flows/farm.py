@@ -15,7 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from flows.config import CONF_DIR, env_defaults
+from flows.config import CONF_DIR
+from flows.env import env_defaults
 
 env_defaults()
 

@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from flows.config import CONF_DIR, env_defaults
+from flows.config import CONF_DIR
+from flows.env import env_defaults
 
 env_defaults()
 

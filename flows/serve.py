@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from flows.config import env_defaults
+from flows.env import env_defaults
 from flows.net import healthy
 from flows.rebuild import settings
 
@@ -29,11 +29,11 @@ def ensure_server(port: int = 4200, timeout: float = 120.0) -> tuple[str, subpro
     if "PREFECT_API_URL" in os.environ and not url.startswith(("http://127.0.0.1", "http://localhost")):
         from tasks.errors import UnavailableError
         raise UnavailableError(f"PREFECT_API_URL={url} does not answer", fix="start that server, or unset PREFECT_API_URL")
+    from flows.prefect_api import server_command
     from flows.server import seed_home
 
     first = seed_home()
-    prefect = os.path.join(os.path.dirname(sys.executable), "prefect")
-    proc = subprocess.Popen([prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env={**os.environ, **first},
+    proc = subprocess.Popen(server_command(port), env={**os.environ, **first},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     t0 = time.monotonic()
     while not healthy(url):

@@ -27,6 +27,7 @@ from typing import Iterator
 
 from flows.locks import named_lock, pid_alive
 from flows.net import free_port, healthy  # noqa: F401  (healthy: also for callers of this module)
+from flows.prefect_api import server_command
 
 IDLE_SECONDS = float(os.environ.get("TRTFORGE_SERVER_IDLE", "600"))
 STARTUP_SECONDS = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90"))
@@ -254,9 +255,8 @@ def serve(port: int) -> int:
     """The watchdog: run `prefect server start` on 127.0.0.1:port; stop it after IDLE_SECONDS without a live lease."""
     import signal
 
-    prefect = os.path.join(os.path.dirname(sys.executable), "prefect")
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    server = subprocess.Popen([prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
+    server = subprocess.Popen(server_command(port), env=env,
                               stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
 
     def stop(*_):

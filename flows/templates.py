@@ -76,16 +76,16 @@ def make_prefect(timeout: float = 120.0) -> Path:
     block types as on any first start), stop it, keep the database."""
     with tempfile.TemporaryDirectory(prefix="trtforge-template-") as d:
         from flows.net import free_port, healthy
+        from flows.prefect_api import server_command
 
         port = free_port()
         env = {k: v for k, v in os.environ.items()
                if k not in ("PREFECT_API_URL", "PREFECT_API_DATABASE_CONNECTION_URL",
                             "PREFECT_SERVER_DATABASE_CONNECTION_URL")}
         env.update(PREFECT_HOME=d, PREFECT_SERVER_ANALYTICS_ENABLED="false")
-        prefect = os.path.join(os.path.dirname(sys.executable), "prefect")
         log = Path(d) / "server.log"
         with open(log, "wb") as out:
-            proc = subprocess.Popen([prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            proc = subprocess.Popen(server_command(port),
                                     env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
         try:
             t0 = time.monotonic()

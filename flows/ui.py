@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from flows.config import env_defaults
+from flows.env import env_defaults
 from flows.tracking import artifact_location, tracking_uri
 
 

@@ -27,8 +27,16 @@ def cli(tmp: Path, conf: Path, *extra: str, env_extra: dict | None = None, wait:
 
 
 def server_processes(port: int) -> list[int]:
+    """The processes serving Prefect's API on that port: `python -m flows.prefect_api PORT` (how trtforge starts it),
+    or a `prefect server start --port PORT`."""
     out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [int(line.split()[0]) for line in out.splitlines() if "prefect" in line and f"--port {port}" in line]
+    pids = []
+    for line in out.splitlines():
+        pid, *args = line.split()
+        ours = "flows.prefect_api" in args and args[-1] == str(port)
+        if ours or ("prefect" in line and "server" in args and f"--port {port}" in line):
+            pids.append(int(pid))
+    return pids
 
 
 @pytest.mark.slow
@@ -38,6 +46,7 @@ def test_builds_share_one_local_server_and_a_killed_build_leaves_nothing_running
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     state = json.loads((tmp_path / "prefect" / "trtforge-server.json").read_text())
     assert healthy(state["url"])
+    assert server_processes(state["port"]), "the leak check below cannot see the running server"
     second = cli(tmp_path, user_config_dir, "precision=fp16", env_extra=idle)
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
     assert json.loads((tmp_path / "prefect" / "trtforge-server.json").read_text())["pid"] == state["pid"]  # reused
