@@ -118,7 +118,7 @@ def build(ctx: BuildContext) -> StageResult:
 def _build_engines(ctx: BuildContext) -> StageResult:
     from tasks.build import add_metrics, as_baseline, onnx_at_precision
     from tasks.graph import load_onnx
-    from tasks.precision import fp32_nodes_from_data
+    from tasks.precision import fp16_hazards_from_data
     from tasks.prequant import precision_for
 
     t, q = ctx.cfg.target, prequantized(ctx)  # a quantized model keeps it; its float part is what precision says
@@ -132,10 +132,10 @@ def _build_engines(ctx: BuildContext) -> StageResult:
              "range_data": ranged.key if ranged else None}
 
     def work(d: Path) -> StageResult:  # values beyond fp16's safe range: one run of the whole model (segments keep names)
-        keep = fp32_nodes_from_data(load_onnx(ctx.results["export"].files["onnx"]), ranged.feeds,
-                                    ctx.cfg.build.fp16_data_max) if ranged else None
+        keep, cancel = fp16_hazards_from_data(load_onnx(ctx.results["export"].files["onnx"]), ranged.feeds,
+                                              ctx.cfg.build.fp16_data_max) if ranged else (None, None)
         convs = {s["index"]: onnx_at_precision(s["onnx"], precision, d / f"{ctx.cfg.model.name}.{t.name}.{label}{s['name']}.onnx",
-                                               keep) for s in segs}
+                                               keep, cancel) for s in segs}
         r = engines_for(ctx, segs, {i: c.files["onnx"] for i, c in convs.items()}, label, precision, d, "build")
         for i, c in convs.items():
             r.files[f"onnx{i}"] = c.files["onnx"]
@@ -151,6 +151,12 @@ def _build_engines(ctx: BuildContext) -> StageResult:
     if kept:
         ctx.warn("build", f"{kept} nodes kept in fp32: their values exceed fp16's safe range (|x| > "
                           f"build.fp16_data_max={ctx.cfg.build.fp16_data_max:g}) on {ranged.source}")
+    cancelled = [c.get("cancellation") or {} for c in r.details.get("conversion", [])]
+    if any(cancelled):
+        worst = max(v for c in cancelled for v in c.values())
+        ctx.warn("build", f"{sum(map(len, cancelled))} nodes kept in fp32: they compute subtractions of nearly equal "
+                          f"values (x - mean far from zero, a variance as E[x^2] - E[x]^2) that fp16 operands would "
+                          f"leave up to {worst:.0%} off (estimated on {ranged.source})")
     if ctx.cfg.precision.quantized and not prequantized(ctx):  # the entry is shared with the fp16/fp32 build
         r = StageResult(files=r.files, metrics=as_baseline(r.metrics), details=r.details, origin=r.origin)
     return r

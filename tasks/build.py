@@ -45,10 +45,11 @@ def same_graph(a: Path, b: Path) -> bool:
     return not external and ga.SerializeToString(deterministic=True) == gb.SerializeToString(deterministic=True)
 
 
-def onnx_at_precision(fp32_path: Path, precision: str, out_path: Path, keep_fp32: dict[str, float] | None = None) -> StageResult:
+def onnx_at_precision(fp32_path: Path, precision: str, out_path: Path, keep_fp32: dict[str, float] | None = None,
+                      cancel_fp32: dict[str, float] | None = None) -> StageResult:
     """Precision is a property of the graph (strongly typed networks): "as_is" (a model that arrived quantized, as
     shipped), fp32 (a model that works in fp16 computed in fp32: its fp16 weights and casts upcast), fp16 converted
-    (``keep_fp32``: values whose nodes stay fp32, tasks.precision.fp32_nodes_from_data)."""
+    (``keep_fp32``, ``cancel_fp32``: values whose nodes stay fp32, tasks.precision.fp16_hazards_from_data)."""
     t0 = time.perf_counter()
     if precision == "as_is":
         shutil.copyfile(fp32_path, out_path)
@@ -74,7 +75,7 @@ def onnx_at_precision(fp32_path: Path, precision: str, out_path: Path, keep_fp32
     from .precision import fp16_from_onnx
 
     try:
-        model, stats = fp16_from_onnx(onnx.load(str(fp32_path)), keep_fp32)
+        model, stats = fp16_from_onnx(onnx.load(str(fp32_path)), keep_fp32, cancel_fp32)
     except Exception as e:
         raise StageError(f"fp16 conversion failed: {type(e).__name__}: {e}", stage="build", file=str(fp32_path)) from e
     save_onnx(model, out_path)

@@ -25,7 +25,7 @@ from .graph import fold_constants, fp32_from_fp16, opset_of, uniquify_node_names
 from .inputs import batch_size
 from .metrics import worst_feed_cosine
 from .ort import ort_runner, quiet_python_logging
-from .precision import DATA_MAX, fp32_nodes_from_data
+from .precision import DATA_MAX, fp16_hazards_from_data
 from .qdq import PRECISIONS, QUANT_OPS, Quantizer
 from .ranges import DEFAULT_METHOD, METHODS, alternative_ranges, ranges_from_feeds, save_ranges
 from .search import budget_search
@@ -90,9 +90,9 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
         calibration_seconds = time.perf_counter() - t_cal
 
         t_search = time.perf_counter()
-        # the float remainder in fp16, except where the calibration data's values leave fp16's range
-        keep = fp32_nodes_from_data(onnx_model(prepared), feeds, data_max) if high_precision == "fp16" else {}
-        q = Quantizer(prepared, ranges, precision, high_precision, keep)
+        # the float remainder in fp16, except where the calibration data's values leave fp16's range or would cancel
+        keep, cancel = fp16_hazards_from_data(onnx_model(prepared), feeds, data_max) if high_precision == "fp16" else ({}, {})
+        q = Quantizer(prepared, ranges, precision, high_precision, keep, cancel)
         layers = q.layers
         if not layers and not no_layers_ok:
             raise StageError(f"the model has no {'/'.join(QUANT_OPS)} node to quantize", stage=STAGE,
@@ -173,6 +173,8 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
                 "cosine_note": None if cos_all is not None else f"not measurable with ONNX Runtime CPU: {q.run_error}",
                 "prepare": prep_info,
                 "fp32_by_data_range": keep,  # value -> max |x| on the calibration data (their nodes stay fp32)
+                # value -> fp16's estimated error of the cancelling subtraction it feeds (its node stays fp32)
+                "fp32_by_cancellation": cancel,
                 "sensitivity": sensitivity,
                 "fallback": fallback,
                 "quantized": list(chosen),

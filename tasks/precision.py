@@ -29,14 +29,17 @@ EXTRA_FP32_OPS = ("BatchNormalization",)
 SHAPE_OPS = ("Shape", "Size")
 
 
-def fp16_from_onnx(model: onnx.ModelProto, keep_fp32: dict[str, float] | None = None) -> tuple[onnx.ModelProto, dict]:
+def fp16_from_onnx(model: onnx.ModelProto, keep_fp32: dict[str, float] | None = None,
+                   cancel_fp32: dict[str, float] | None = None) -> tuple[onnx.ModelProto, dict]:
     """fp16 copy of ``model``; the converter's per-value truncation warnings are silenced (the stats count them).
-    ``keep_fp32``: values whose nodes stay fp32 because of what they hold on real data (``fp32_nodes_from_data``)."""
+    From what the user's data holds (``fp16_hazards_from_data``): ``keep_fp32``, values beyond fp16's range (the nodes
+    making and reading them stay fp32); ``cancel_fp32``, the values a cancelling subtraction is computed from (the
+    nodes making them stay fp32)."""
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        return _fp16_from_onnx(model, keep_fp32 or {})
+        return _fp16_from_onnx(model, keep_fp32 or {}, cancel_fp32 or {})
 
 
 # A node reading or making values above this on the user's data stays fp32: 2x headroom under fp16's largest finite
@@ -49,14 +52,48 @@ RANGE_FEEDS = 4  # feeds the range check runs on (each exposes every intermediat
 
 def fp32_nodes_from_data(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]],
                          data_max: float = DATA_MAX) -> dict[str, float]:
-    """Values that leave fp16's safe range on ``feeds`` (the user's data): {value name: max |value|} for every node
-    output above ``data_max`` in magnitude or not finite; their nodes stay fp32 (as ModelOpt AutoCast classifies nodes
-    by output magnitude on calibration data). Values, not node names: names are given to unnamed nodes later. Run in ONNX Runtime on the fp32 model with every float value exposed, one
-    feed at a time (at most RANGE_FEEDS)."""
+    """Values that leave fp16's safe range on ``feeds``: the first half of ``fp16_hazards_from_data``."""
+    return fp16_hazards_from_data(model, feeds, data_max)[0]
+
+
+# fp16's unit roundoff: an fp16 value is off by up to this fraction of itself
+FP16_EPS = 2.0 ** -11
+# A Sub/Add whose fp16 operands would make its result this wrong is a harmful cancellation: relative L2 error over the
+# result, or, where it feeds a divisor, square root or log, the error of a tenth of its elements (the
+# CANCEL_PERCENTILE-th percentile), each relative to itself
+CANCEL_MAX_ERROR = 1e-2
+CANCEL_PERCENTILE = 90
+# ops that blow a small value's relative error up into the result (the input index that does, None: any)
+AMPLIFIERS = {"Sqrt": 0, "Reciprocal": 0, "Log": 0, "Div": 1, "Pow": 0}
+# ops a value passes through on its way to one (a LayerNorm's Max(var, 0), + eps, reshapes, casts, 1/n scaling)
+PASS_THROUGH = ("Max", "Min", "Add", "Mul", "Reshape", "Expand", "Squeeze", "Unsqueeze", "Cast", "Identity",
+                "Transpose", "Abs", "Relu", "Clip")
+AMPLIFIER_DEPTH = 6
+CANCEL_DEPTH = 12  # how far up the two operands' producers are followed to the value they share
+CANCEL_CONE_MAX = 24  # a cone larger than this keeps only the subtraction and its operands' producers fp32
+
+
+def fp16_hazards_from_data(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]],
+                           data_max: float = DATA_MAX) -> tuple[dict[str, float], dict[str, float]]:
+    """What fp16 would break on ``feeds`` (the user's data), judged on the fp32 model in ONNX Runtime with every float
+    value exposed, one feed at a time (at most RANGE_FEEDS):
+
+    * range: {value: max |value|} for every node output (or graph input) above ``data_max`` in magnitude or not
+      finite; the nodes making or reading it stay fp32 (as ModelOpt AutoCast classifies nodes by magnitude);
+    * cancellation: {value: estimated relative error} for the values a subtraction of nearly equal numbers is computed
+      from. A Sub (or an Add of opposite signs) of operands rounded to fp16 is off by about FP16_EPS x (|a| + |b|),
+      which is a large share of a - b when the two nearly cancel: x - mean(x) of values far from zero, and a
+      variance taken as E[x^2] - E[x]^2 (Flax's LayerNorm, jax2tf exports), whose small elements 1/sqrt(var + eps)
+      then blows up. Where the result would be more than CANCEL_MAX_ERROR wrong on the data (relative L2; for a
+      result that divides or goes under a square root or log, a tenth of its elements each), its operands are
+      computed in fp32 from the value the two share (e.g. the LayerNorm's input, which stays fp16): the producers
+      between it and the subtraction, and the subtraction itself.
+
+    Values, not node names: names are given to unnamed nodes later."""
     import onnxruntime as ort
 
     if not feeds:
-        return {}
+        return {}, {}
     m = onnx.ModelProto()
     m.CopyFrom(model)
     g = m.graph
@@ -70,20 +107,100 @@ def fp32_nodes_from_data(model: onnx.ModelProto, feeds: list[dict[str, np.ndarra
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # the values of the graph as written
     sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
     names = [o.name for o in sess.get_outputs()]
+    consts = {t.name: t for t in g.initializer}
+    subtractions = [n for n in g.node if n.op_type in ("Sub", "Add") and len(n.input) == 2 and all(n.input)]
+    amplified = {id(n) for n in _amplified_subtractions(g)}
     peak: dict[str, float] = {}
+    whole: dict[int, list[float]] = {}  # subtraction -> [sum (|a| + |b|)^2, sum (a -+ b)^2] over the feeds
+    spread: dict[int, list[np.ndarray]] = {}  # amplified subtraction -> its elements' fp16 relative errors
     for feed in feeds[:RANGE_FEEDS]:
         one = {k: (v[:1] if getattr(v, "ndim", 0) else v) for k, v in feed.items()} if _batched(feed) else feed
         try:
             values = sess.run(names, one)  # a sample of each feed (values do not grow with the batch)
         except Exception:  # noqa: BLE001 - a model that takes no other batch: the whole feed
             values, one = sess.run(names, feed), feed
-        for name, value in [*zip(names, values), *one.items()]:  # graph inputs too: their readers
+        held = {**dict(zip(names, values)), **one}
+        for name, value in held.items():  # graph inputs too: their readers
             a = np.asarray(value)
             if a.dtype.kind != "f" or a.size == 0:
                 continue
             top = float(np.abs(a).max()) if bool(np.isfinite(a).all()) else float("inf")
             peak[name] = max(peak.get(name, 0.0), top)
-    return {n: v for n, v in peak.items() if not v <= data_max}
+        for i, n in enumerate(subtractions):
+            ops = [held.get(x) if x in held else (numpy_helper.to_array(consts[x]) if x in consts else None)
+                   for x in n.input]
+            if any(o is None or np.asarray(o).dtype.kind != "f" for o in ops):
+                continue
+            a, b = (np.asarray(o, np.float64) for o in ops)
+            try:
+                out = a - b if n.op_type == "Sub" else a + b
+                size, out = np.broadcast_arrays(np.abs(a) + np.abs(b), out)
+            except ValueError:
+                continue
+            if not (np.isfinite(size).all() and np.isfinite(out).all()):
+                continue
+            acc = whole.setdefault(i, [0.0, 0.0])
+            acc[0] += float(np.square(size).sum())
+            acc[1] += float(np.square(out).sum())
+            if id(n) in amplified:
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    rel = FP16_EPS * size / np.abs(out)  # each element's: fp16 operands' rounding, relative to it
+                spread.setdefault(i, []).append(np.nan_to_num(rel.ravel(), nan=0.0, posinf=np.inf))
+    over = {n: v for n, v in peak.items() if not v <= data_max}
+    float_values = set(floats)
+    cancel: dict[str, float] = {}
+    for i, (size2, out2) in whole.items():
+        err = FP16_EPS * (size2 / out2) ** 0.5 if out2 > 0 else 0.0  # the result's relative L2 error
+        if i in spread:
+            err = max(err, float(np.percentile(np.concatenate(spread[i]), CANCEL_PERCENTILE)))
+        if err > CANCEL_MAX_ERROR:
+            for v in _cancellation_cone(g, subtractions[i]):
+                if v in float_values:
+                    cancel[v] = max(cancel.get(v, 0.0), err)
+    return over, cancel
+
+
+def _amplified_subtractions(g: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """The Sub/Add nodes whose result reaches a divisor, square root or log (AMPLIFIERS) within AMPLIFIER_DEPTH nodes
+    through PASS_THROUGH ops: where a cancelled, mostly-rounding-error small value is blown up (a variance under
+    1/sqrt(var + eps)). Elsewhere an fp16 cancellation's error stays small next to the tensor's other values."""
+    readers: dict[str, list[tuple[onnx.NodeProto, int]]] = collections.defaultdict(list)
+    for n in g.node:
+        for k, x in enumerate(n.input):
+            if x:
+                readers[x].append((n, k))
+
+    def amplified(value: str, depth: int) -> bool:
+        for r, k in readers.get(value, []):
+            if r.op_type in AMPLIFIERS and AMPLIFIERS[r.op_type] in (None, k):
+                return True
+            if depth > 1 and r.op_type in PASS_THROUGH and any(amplified(o, depth - 1) for o in r.output if o):
+                return True
+        return False
+
+    return [n for n in g.node if n.op_type in ("Sub", "Add") and len(n.input) == 2 and all(n.input)
+            and any(amplified(o, AMPLIFIER_DEPTH) for o in n.output if o)]
+
+
+def _cancellation_cone(g: onnx.GraphProto, node: onnx.NodeProto) -> list[str]:
+    """The values to compute in fp32 for ``node``'s subtraction to be exact up to fp32: its output, and every value
+    on the paths from the nearest value its two operands share (not included) to its operands (included)."""
+    producer = {o: n for n in g.node for o in n.output if o}
+
+    def upward(v: str) -> set[str]:
+        seen, frontier = {v}, [v]
+        for _ in range(CANCEL_DEPTH):
+            frontier = [x for f in frontier if f in producer for x in producer[f].input if x and x not in seen]
+            seen.update(frontier)
+        return seen
+
+    a, b = (upward(x) for x in node.input)
+    shared = a & b
+    upstream = set().union(*(upward(x) - {x} for x in shared)) if shared else set()
+    cone = [v for v in (a | b) - shared - upstream if v in producer]
+    if not shared or len(cone) > CANCEL_CONE_MAX:
+        cone = [x for x in node.input if x in producer]
+    return [o for o in node.output if o] + sorted(cone)
 
 
 def _batched(feed: dict) -> bool:
@@ -92,7 +209,8 @@ def _batched(feed: dict) -> bool:
     return len(lengths) == 1 and lengths.pop() > 1
 
 
-def _fp16_from_onnx(model: onnx.ModelProto, keep_fp32: dict[str, float]) -> tuple[onnx.ModelProto, dict]:
+def _fp16_from_onnx(model: onnx.ModelProto, keep_fp32: dict[str, float],
+                    cancel_fp32: dict[str, float]) -> tuple[onnx.ModelProto, dict]:
     """Return an fp16 copy of ``model`` (graph inputs/outputs stay fp32) and stats.
 
     Nodes kept in fp32:
@@ -100,6 +218,9 @@ def _fp16_from_onnx(model: onnx.ModelProto, keep_fp32: dict[str, float]) -> tupl
       * nodes whose outputs don't depend on graph-input data except through
         Shape/Size (shape arithmetic such as anchor grids): mixing their fp32
         outputs with fp16 breaks TensorRT builds with dynamic shapes;
+      * nodes reading or making a value beyond fp16's range on the user's data
+        (``keep_fp32``), and nodes making a value that a cancelling
+        subtraction is computed from (``cancel_fp32``);
       * nodes consuming a float initializer that fp16 can't hold: overflow
         (|x| > 65504) or most of its mass in the subnormal range (relative L2
         rounding error > MAX_REL_ERROR; stray denormal weights don't count);
@@ -156,6 +277,12 @@ def _fp16_from_onnx(model: onnx.ModelProto, keep_fp32: dict[str, float]) -> tupl
         if over:
             reasons.setdefault(node.name, "data_range")
             data_range[node.name] = max(over)
+    cancellation = {}
+    for node in g.node:  # a node making a value a cancelling subtraction is computed from (or the subtraction)
+        errs = [cancel_fp32[v] for v in node.output if v in cancel_fp32]
+        if errs:
+            reasons.setdefault(node.name, "cancellation")
+            cancellation[node.name] = max(errs)
     for name in _dequantize_feeding_fp32(g, set(reasons)):
         reasons.setdefault(name, "dq_of_fp32_layer")
     _split_shared_initializers(g, set(reasons))
@@ -194,6 +321,8 @@ def _fp16_from_onnx(model: onnx.ModelProto, keep_fp32: dict[str, float]) -> tupl
         "already_fp16": False,
         "opset_upgraded_for_fp16_qdq": qdq_opset,
         "data_range": {n: v for n, v in data_range.items() if reasons.get(n) == "data_range"},
+        # node -> the estimated relative error fp16 would give the subtraction it feeds (it computes in fp32)
+        "cancellation": {n: v for n, v in cancellation.items() if reasons.get(n) == "cancellation"},
         "seconds": round(time.perf_counter() - t0, 3),
     }
     return m, stats

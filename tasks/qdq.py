@@ -45,7 +45,7 @@ class Quantizer:
     """
 
     def __init__(self, model_path: Path, ranges, precision: str, high_precision: str = "fp16",
-                 keep_fp32: dict[str, float] | None = None):
+                 keep_fp32: dict[str, float] | None = None, cancel_fp32: dict[str, float] | None = None):
         from onnx import numpy_helper
         from onnxruntime.quantization.quant_utils import QuantType, load_model_with_shape_infer, update_opset_version
 
@@ -55,6 +55,7 @@ class Quantizer:
         self.precision = precision
         self.high_precision = high_precision
         self.keep_fp32 = dict(keep_fp32 or {})  # values beyond fp16's range on the calibration data: their nodes stay fp32
+        self.cancel_fp32 = dict(cancel_fp32 or {})  # values cancelling subtractions are computed from: fp32 too
         self.base = update_opset_version(load_model_with_shape_infer(Path(model_path)), qt, qt)  # fp8: opset 19
         self._weights = {t.name: t for t in self.base.graph.initializer}
         self._fp8_weights: dict[tuple[str, int | None], tuple[np.ndarray, np.ndarray]] = {}
@@ -86,7 +87,7 @@ class Quantizer:
         """The graph that ships: the Q/DQ graph of ``names`` with every other op at ``high_precision``."""
         m = self.qdq(names)
         if self.high_precision == "fp16":
-            m, _ = fp16_from_onnx(m, self.keep_fp32)  # it sorts the graph first (ORT's quantizer appends its Q/DQ nodes)
+            m, _ = fp16_from_onnx(m, self.keep_fp32, self.cancel_fp32)  # it sorts the graph first (ORT's quantizer appends its Q/DQ nodes)
         return m
 
     def qdq(self, names: list[str]):

@@ -179,7 +179,7 @@ def sensitivity_report(segments: list[dict], d: Path) -> dict[str, Path]:
             for s in segments for r in s.get("sensitivity", [])]
     files = {"sensitivity": write_json(d / "sensitivity.json", {"layers": rows, "segments": [
         {k: s.get(k) for k in ("segment", "method", "range_choice", "precision", "quantized", "fallback", "min_cosine",
-                               "fp32_by_data_range", "search_set")}
+                               "fp32_by_data_range", "fp32_by_cancellation", "search_set")}
         for s in segments]})}
     if rows:
         plt = _pyplot()
