@@ -120,29 +120,50 @@ def fp16_hazards_from_data(model: onnx.ModelProto, feeds: list[dict[str, np.ndar
         except Exception:  # noqa: BLE001 - a model that takes no other batch: the whole feed
             values, one = sess.run(names, feed), feed
         held = {**dict(zip(names, values)), **one}
+        bad = set()  # values not finite in this feed
         for name, value in held.items():  # graph inputs too: their readers
             a = np.asarray(value)
             if a.dtype.kind != "f" or a.size == 0:
                 continue
-            top = float(np.abs(a).max()) if bool(np.isfinite(a).all()) else float("inf")
+            top = max(float(a.max()), -float(a.min()))  # |x|'s max without a copy; NaN and inf propagate
+            top = top if np.isfinite(top) else float("inf")
             peak[name] = max(peak.get(name, 0.0), top)
+            if top == float("inf"):
+                bad.add(name)
+        norms: dict[str, float] = {}
+
+        def square_norm(name: str, x: np.ndarray) -> float:  # of a value of this feed (one pass, no copy)
+            if name not in norms:
+                flat = np.ascontiguousarray(x, np.float32).ravel()
+                with np.errstate(over="ignore", invalid="ignore"):
+                    norms[name] = float(np.dot(flat, flat))
+            return norms[name]
+
         for i, n in enumerate(subtractions):
+            out = held.get(n.output[0])  # computed by ONNX Runtime already
             ops = [held.get(x) if x in held else (numpy_helper.to_array(consts[x]) if x in consts else None)
                    for x in n.input]
-            if any(o is None or np.asarray(o).dtype.kind != "f" for o in ops):
+            if out is None or any(o is None or np.asarray(o).dtype.kind != "f" for o in ops) or \
+                    bad & {n.output[0], *n.input}:
                 continue
-            a, b = (np.asarray(o, np.float64) for o in ops)
-            try:
-                out = a - b if n.op_type == "Sub" else a + b
-                size, out = np.broadcast_arrays(np.abs(a) + np.abs(b), out)
-            except ValueError:
+            a, b = (np.asarray(o) for o in ops)
+            out = np.asarray(out)
+            if out.size == 0 or out.size % a.size or out.size % b.size:
                 continue
-            if not (np.isfinite(size).all() and np.isfinite(out).all()):
-                continue
+            # the operands' fp16 rounding errors are independent: the result's error has the squared norm
+            # FP16_EPS^2 (|a|^2 + |b|^2), a broadcast operand counted once per copy (its error is repeated)
+            s2 = sum(square_norm(x, o) * (out.size // o.size) for x, o in zip(n.input, (a, b)))
+            o2 = square_norm(n.output[0], out)
+            if not (np.isfinite(s2) and np.isfinite(o2)):
+                continue  # beyond fp16's range anyway: the range check keeps these nodes
             acc = whole.setdefault(i, [0.0, 0.0])
-            acc[0] += float(np.square(size).sum())
-            acc[1] += float(np.square(out).sum())
+            acc[0] += s2
+            acc[1] += o2
             if id(n) in amplified:
+                try:
+                    size = np.broadcast_to(np.abs(a) + np.abs(b), out.shape)
+                except ValueError:
+                    continue
                 with np.errstate(divide="ignore", invalid="ignore"):
                     rel = FP16_EPS * size / np.abs(out)  # each element's: fp16 operands' rounding, relative to it
                 spread.setdefault(i, []).append(np.nan_to_num(rel.ravel(), nan=0.0, posinf=np.inf))
