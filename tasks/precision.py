@@ -191,13 +191,15 @@ def _amplified_subtractions(g: onnx.GraphProto) -> list[onnx.NodeProto]:
             if x:
                 readers[x].append((n, k))
 
+    seen: dict[tuple[str, int], bool] = {}
+
     def amplified(value: str, depth: int) -> bool:
-        for r, k in readers.get(value, []):
-            if r.op_type in AMPLIFIERS and AMPLIFIERS[r.op_type] in (None, k):
-                return True
-            if depth > 1 and r.op_type in PASS_THROUGH and any(amplified(o, depth - 1) for o in r.output if o):
-                return True
-        return False
+        if (value, depth) not in seen:
+            seen[(value, depth)] = any(
+                (r.op_type in AMPLIFIERS and AMPLIFIERS[r.op_type] in (None, k)) or
+                (depth > 1 and r.op_type in PASS_THROUGH and any(amplified(o, depth - 1) for o in r.output if o))
+                for r, k in readers.get(value, []))
+        return seen[(value, depth)]
 
     return [n for n in g.node if n.op_type in ("Sub", "Add") and len(n.input) == 2 and all(n.input)
             and any(amplified(o, AMPLIFIER_DEPTH) for o in n.output if o)]
