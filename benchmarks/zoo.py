@@ -346,12 +346,19 @@ def calibration_data(name: str, form: str, folder: Path, samples: int = CALIBRAT
             arrays[k] = audio(full, rng, float(recipe[k].get("scale", 1.0)), float(recipe[k].get("peak", 0.5))).astype(dtype)
         elif k in recipe and recipe[k].get("kind") == "file_bytes":
             arrays[k] = file_bytes(full, rng, **{a: int(v) for a, v in recipe[k].items() if a != "kind"}).astype(dtype)
+        elif k in recipe and recipe[k].get("kind") == "lengths":
+            continue  # after the input it measures
         elif np.issubdtype(np.dtype(dtype), np.floating):
             arrays[k] = rng.standard_normal(full).astype(dtype)
         elif "mask" in k:
             arrays[k] = np.ones(full, dtype)
         else:
             arrays[k] = rng.integers(0, 100, full).astype(dtype)
+    for k, r in recipe.items():  # the valid length of each sample of another input: between half and all of it
+        if r.get("kind") == "lengths" and k in specs:
+            size = arrays[r["of"]].shape[-1]
+            full = list(arrays[r["of"]].shape[:-1])
+            arrays[k] = rng.integers(size // 2, size + 1, full).astype(specs[k][0])
     path = folder / f"{name}.{purpose}.{form}.npz"
     np.savez(path, **arrays)
     return path

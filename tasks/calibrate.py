@@ -110,14 +110,14 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
         if min_cosine is not None and cos_all is None:
             raise UnavailableError(
                 f"{precision} Q/DQ graphs cannot be run by ONNX Runtime on this host ({q.run_error}), so the "
-                f"accuracy budget min_cosine={min_cosine} cannot be checked", stage=STAGE, file=str(fp32_path),
+                f"accuracy budget min_cosine={min_cosine:.6g} cannot be checked", stage=STAGE, file=str(fp32_path),
                 fix="set min_cosine to None to quantize every layer unchecked, use int8, or validate on a GPU")
         if min_cosine is not None and cos_all < min_cosine:
             cos_none = score([])
             if cos_none < min_cosine:
                 raise AccuracyError(
                     f"the {high_precision} graph without any Q/DQ already gives cosine {cos_none:.8f}, below "
-                    f"min_cosine={min_cosine}", stage=STAGE, file=str(fp32_path),
+                    f"min_cosine={min_cosine:.6g}", stage=STAGE, file=str(fp32_path),
                     fix="lower accuracy.min_cosine, or quantize with the rest of the graph in fp32")
             flops = onnx_flops(q.base, {n: list(a.shape) for n, a in eval_feeds[0].items()}, layers)
             alone = {n: score([n]) for n in layers}
@@ -134,7 +134,8 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
             if not chosen:
                 best = max(sensitivity, key=lambda s: s["cosine_alone"])
                 raise AccuracyError(
-                    f"no layer can be quantized to {precision} within min_cosine={min_cosine}: every "
+                    f"no layer can be quantized to {precision} within the search's target cosine {min_cosine:.6g} "
+                    f"(accuracy.min_cosine plus calibration.budget_margin of the allowed error): every "
                     f"{'/'.join(QUANT_OPS)} layer quantized alone breaks it (the least sensitive, {best['node']}, gives "
                     f"{best['cosine_alone']:.6f}; all {len(layers)} together {cos_all:.6f}; worst of "
                     f"{len(eval_feeds)} held-out feeds)", stage=STAGE, file=str(fp32_path),
