@@ -50,12 +50,6 @@ DATA_MAX = 32768.0
 RANGE_FEEDS = 4  # feeds the range check runs on (each exposes every intermediate value at once)
 
 
-def fp32_nodes_from_data(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]],
-                         data_max: float = DATA_MAX) -> dict[str, float]:
-    """Values that leave fp16's safe range on ``feeds``: the first half of ``fp16_hazards_from_data``."""
-    return fp16_hazards_from_data(model, feeds, data_max)[0]
-
-
 # fp16's unit roundoff: an fp16 value is off by up to this fraction of itself
 FP16_EPS = 2.0 ** -11
 # A Sub/Add whose fp16 operands would make its result this wrong is a harmful cancellation: relative L2 error over the
@@ -109,9 +103,9 @@ def fp16_hazards_from_data(model: onnx.ModelProto, feeds: list[dict[str, np.ndar
     names = [o.name for o in sess.get_outputs()]
     consts = {t.name: t for t in g.initializer}
     subtractions = [n for n in g.node if n.op_type in ("Sub", "Add") and len(n.input) == 2 and all(n.input)]
-    amplified = {id(n) for n in _amplified_subtractions(g)}
+    amplified = {id(n) for n in _amplified(g, subtractions)}
     peak: dict[str, float] = {}
-    whole: dict[int, list[float]] = {}  # subtraction -> [sum (|a| + |b|)^2, sum (a -+ b)^2] over the feeds
+    whole: dict[int, list[float]] = {}  # subtraction -> [sum |a|^2 + |b|^2 (broadcast), sum |result|^2] over the feeds
     spread: dict[int, list[np.ndarray]] = {}  # amplified subtraction -> its elements' fp16 relative errors
     for feed in feeds[:RANGE_FEEDS]:
         one = {k: (v[:1] if getattr(v, "ndim", 0) else v) for k, v in feed.items()} if _batched(feed) else feed
@@ -170,19 +164,20 @@ def fp16_hazards_from_data(model: onnx.ModelProto, feeds: list[dict[str, np.ndar
     over = {n: v for n, v in peak.items() if not v <= data_max}
     float_values = set(floats)
     cancel: dict[str, float] = {}
+    producer = {o: n for n in g.node for o in n.output if o}
     for i, (size2, out2) in whole.items():
         err = FP16_EPS * (size2 / out2) ** 0.5 if out2 > 0 else 0.0  # the result's relative L2 error
         if i in spread:
             err = max(err, float(np.percentile(np.concatenate(spread[i]), CANCEL_PERCENTILE)))
         if err > CANCEL_MAX_ERROR:
-            for v in _cancellation_cone(g, subtractions[i]):
+            for v in _cancellation_cone(producer, subtractions[i]):
                 if v in float_values:
                     cancel[v] = max(cancel.get(v, 0.0), err)
     return over, cancel
 
 
-def _amplified_subtractions(g: onnx.GraphProto) -> list[onnx.NodeProto]:
-    """The Sub/Add nodes whose result reaches a divisor, square root or log (AMPLIFIERS) within AMPLIFIER_DEPTH nodes
+def _amplified(g: onnx.GraphProto, subtractions: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
+    """The ``subtractions`` (Sub/Add nodes) whose result reaches a divisor, square root or log (AMPLIFIERS) within AMPLIFIER_DEPTH nodes
     through PASS_THROUGH ops: where a cancelled, mostly-rounding-error small value is blown up (a variance under
     1/sqrt(var + eps)). Elsewhere an fp16 cancellation's error stays small next to the tensor's other values."""
     readers: dict[str, list[tuple[onnx.NodeProto, int]]] = collections.defaultdict(list)
@@ -201,14 +196,13 @@ def _amplified_subtractions(g: onnx.GraphProto) -> list[onnx.NodeProto]:
                 for r, k in readers.get(value, []))
         return seen[(value, depth)]
 
-    return [n for n in g.node if n.op_type in ("Sub", "Add") and len(n.input) == 2 and all(n.input)
-            and any(amplified(o, AMPLIFIER_DEPTH) for o in n.output if o)]
+    return [n for n in subtractions if any(amplified(o, AMPLIFIER_DEPTH) for o in n.output if o)]
 
 
-def _cancellation_cone(g: onnx.GraphProto, node: onnx.NodeProto) -> list[str]:
+def _cancellation_cone(producer: dict[str, onnx.NodeProto], node: onnx.NodeProto) -> list[str]:
     """The values to compute in fp32 for ``node``'s subtraction to be exact up to fp32: its output, and every value
-    on the paths from the nearest value its two operands share (not included) to its operands (included)."""
-    producer = {o: n for n in g.node for o in n.output if o}
+    on the paths from the nearest value its two operands share (not included) to its operands (included).
+    ``producer``: value -> the node making it."""
 
     def upward(v: str) -> set[str]:
         seen, frontier = {v}, [v]
