@@ -216,6 +216,7 @@ def engines_for(ctx: BuildContext, segs: list[dict], graphs: dict[int, Path], la
 
 def validate(ctx: BuildContext) -> StageResult:
     from tasks.datasets import describe_thin
+    from tasks.emulate import emulation_label
     from tasks.prequant import accuracy_fix
     from tasks.validate import gate, validate_onnx
 
@@ -240,7 +241,7 @@ def validate(ctx: BuildContext) -> StageResult:
              "min_cosine": ctx.cfg.accuracy.min_cosine, "precision": ctx.cfg.precision.name,  # in the result's labels
              "engines": [sha256_file(e) for _, e, _ in candidates] if engine_reason is None else None}
     label = f"{ctx.cfg.model.name} at {ctx.cfg.precision.name}"
-    fix = accuracy_fix(prequantized(ctx) or {}, None, ctx.cfg.accuracy.min_cosine)
+    fix = accuracy_fix(prequantized(ctx) or {})
 
     def work(d: Path) -> StageResult:
         with contextlib.ExitStack() as runners:
@@ -249,9 +250,9 @@ def validate(ctx: BuildContext) -> StageResult:
                 return validate_onnx(reference, candidate_runner(ctx), val.feeds, ctx.cfg.accuracy.min_cosine,
                                      val.source, d / "validation.json", engine=engine, engine_skip_reason=engine_reason,
                                      label=label, reference_label=reference_label, identical=identical,
-                                     emulation=f"onnxruntime emulation of {ctx.cfg.precision.name}",
+                                     emulation=emulation_label(ctx.cfg.precision.name),
                                      engine_device=gpu and f"engine on {gpu.name} (sm {gpu.compute_capability})",
-                                     reference_spread="reference" in ref.files, evidence=evidence, fix=fix)
+                                     evidence=evidence, fix=fix)
             except TrtforgeError as e:  # the failed verdict is a result too: cached, gated below
                 if getattr(e, "result", None) is None:
                     raise
@@ -262,8 +263,7 @@ def validate(ctx: BuildContext) -> StageResult:
         ctx.warn("validate", r.details["warnings"][0])
     for w in r.details.get("evidence", []):
         ctx.warn("validate", w)
-    spread = r.details.get("reference_spread", {}).get("cosine_min")
-    gate(r, label=label, fix=accuracy_fix(prequantized(ctx) or {}, spread, ctx.cfg.accuracy.min_cosine))
+    gate(r, label=label, fix=fix)
     return r
 
 
