@@ -112,19 +112,20 @@ def _dims(g, name: str) -> list:
 
 
 def exact_integer_ops_of(model):
-    """What ``ort_session`` loads for an accuracy figure: ``model`` itself (a path or serialized bytes) unless it holds
-    an integer op, else the serialized ``exact_integer_ops`` rewrite. A cheap byte scan first: op type names are stored
-    as plain strings."""
+    """(What ``ort_session`` loads for an accuracy figure, whether it holds Q/DQ): ``model`` itself (a path or
+    serialized bytes) unless it holds an integer op, else the serialized ``exact_integer_ops`` rewrite. A cheap byte
+    scan first: op type names are stored as plain strings."""
     from pathlib import Path
 
     data = model if isinstance(model, bytes) else Path(model).read_bytes()
+    qdq = b"QuantizeLinear" in data  # DequantizeLinear too
     if not any(marker in data for marker in _MARKERS):
-        return model
+        return model, qdq
     m = onnx.load_from_string(data) if isinstance(model, bytes) else onnx.load(str(model))
     if not integer_ops_in(m):
-        return model
+        return model, qdq
     rewritten, _ = exact_integer_ops(m)
     try:
-        return rewritten.SerializeToString()
+        return rewritten.SerializeToString(), True
     except ValueError:  # over protobuf's 2 GB: ONNX Runtime's own kernels, as a last resort
-        return model
+        return model, qdq

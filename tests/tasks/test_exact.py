@@ -59,7 +59,7 @@ def _executed_ops(model: Path, exact: bool) -> set[str]:
     so.profile_file_prefix = str(model.with_suffix(""))
     if exact:  # as ort_session(exact=True) makes it
         so.add_session_config_entry("session.disable_quant_qdq", "1")
-    s = ort.InferenceSession(exact_integer_ops_of(model) if exact else str(model), so,
+    s = ort.InferenceSession(exact_integer_ops_of(model)[0] if exact else str(model), so,
                              providers=["CPUExecutionProvider"])
     s.run(None, _feeds()[0])
     trace = Path(s.end_profiling())
@@ -112,3 +112,4 @@ def test_the_same_figures_on_an_avx2_only_and_an_sse4_only_cpu(quantized_models)
 
 if __name__ == "__main__":  # the probe the cross-CPU test runs under QEMU: the scores as one JSON line
     print(json.dumps(scores(Path(sys.argv[1]))))
+
