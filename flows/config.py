@@ -246,8 +246,10 @@ def model_io(cfg: DictConfig, search: list[Path]) -> tuple[Any, list, list, dict
         model = load_onnx(src)
         inputs, outputs = graph_io(model)
         from tasks.prequant import quantization_of
+        from tasks.woq import weight_only_model
         q = quantization_of(model)
-        return model, inputs, outputs, (q if any(q.values()) else None)  # not recalibrated: needs no calibration data
+        # not recalibrated: needs no calibration data (a weight-only quantized model calibrates its activations)
+        return model, inputs, outputs, (q if any(q.values()) and not weight_only_model(model) else None)
     if not m.factory:
         raise ConfigError("model.factory is not set for format=torch", fix="set model.factory=module.path:callable")
     if not m.inputs:

@@ -47,6 +47,9 @@ def export(ctx: BuildContext) -> StageResult:
         return r
 
     r = ctx.cached("export", parts, work)
+    if r.details.get("weight_only"):
+        from tasks.woq import weight_only_note
+        ctx.stages.setdefault("export", {})["note"] = weight_only_note(r.details["weight_only"])
     if m["constants"]:
         ctx.warn("export", f"the engine is specialised for {constants_text(m['constants'])} (model.constants): those inputs "
                            "are gone, and the fp32 reference is the model with them bound")
@@ -184,10 +187,17 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
     def quantize(d: Path) -> StageResult:
         def progress(seg: int):
             return sample_progress(f"calibrating ({c.method or 'default method'}, segment {seg})", ctx.show_progress)
-        return qdq_for_segments(segs, lambda i: segment_feeds(model, plan, i, cal.feeds),
-                                (lambda i: segment_feeds(model, plan, i, held.feeds)) if held else None, d,
-                                method=c.method, precision=p.name, min_cosine=target, progress=progress,
-                                data_max=ctx.cfg.build.fp16_data_max)
+        # weight-only quantized weights: calibration quantizes float weights, then the model's own codes and scales
+        # go back where a layer's weight was quantized per output channel (tasks.woq)
+        shipped = _float_weight_segments(segs, d) if weight_only(ctx) else {}
+        r = qdq_for_segments([{**s, "onnx": shipped[s["index"]][0]} if s["index"] in shipped else s for s in segs],
+                             lambda i: segment_feeds(model, plan, i, cal.feeds),
+                             (lambda i: segment_feeds(model, plan, i, held.feeds)) if held else None, d,
+                             method=c.method, precision=p.name, min_cosine=target, progress=progress,
+                             data_max=ctx.cfg.build.fp16_data_max)
+        if shipped:
+            r.details["weight_scales_kept"] = _keep_weight_scales(r, shipped)
+        return r
 
     q = ctx.cached("calibrate", q_parts, quantize, entry="calibrate-qdq", data=True)
     t = ctx.cfg.target
@@ -197,11 +207,57 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
     e = ctx.cached("calibrate", e_parts, lambda d: engines_for(ctx, segs, {s["index"]: q.files[f"qdq{s['index']}"]
                                                                        for s in segs}, p.name, p.name, d, "calibrate"),
                    entry="calibrate-engine")
+    kept = q.details.get("weight_scales_kept")
+    if kept:
+        ctx.stages.setdefault("calibrate", {})["note"] = (
+            f"weight-only quantized model: activations calibrated; the model's own int8 weights and scales kept for "
+            f"{kept['restored']} of its {kept['weights']} weights (the others: the layer stayed in higher precision, "
+            "or calibration quantized the weight along another axis)")
     files = {**e.files, **{f"onnx{s['index']}": q.files[f"qdq{s['index']}"] for s in segs},
              **{k: v for k, v in q.files.items() if k.startswith("sensitivity")}}
     details = {"engines": [{**x, "onnx": q.files[f"qdq{x['segment']}"].name} for x in e.details["engines"]],
                "quantization": q.details}
     return StageResult(files=files, metrics={**q.metrics, **e.metrics}, details=details)
+
+
+def weight_only(ctx: BuildContext) -> int:
+    """How many weight-only quantized weights the graph TensorRT gets has (int8 constant -> DequantizeLinear)."""
+    return int((ctx.results["export"].details.get("prequantized") or {}).get("weight_only") or 0)
+
+
+def _float_weight_segments(segs: list[dict], d: Path) -> dict[int, tuple[Path, dict]]:
+    """Each segment with weight-only DequantizeLinear nodes, its weights folded to float (for calibration): index ->
+    (ONNX file, the model's codes and scales by weight)."""
+    from tasks.export import save_onnx
+    from tasks.graph import load_onnx
+    from tasks.woq import float_weights
+
+    out = {}
+    for s in segs:
+        m = load_onnx(s["onnx"])
+        kept = float_weights(m)
+        if kept:
+            path = d / f"float_weights{s['index']}.onnx"
+            save_onnx(m, path)
+            out[s["index"]] = (path, kept)
+    return out
+
+
+def _keep_weight_scales(r: StageResult, shipped: dict[int, tuple[Path, dict]]) -> dict:
+    """The model's own int8 weights back into each quantized segment; {"restored": n, "weights": n}."""
+    from tasks.export import save_onnx
+    from tasks.graph import load_onnx
+    from tasks.woq import keep_weight_scales
+
+    restored = 0
+    for i, (path, kept) in shipped.items():
+        m = load_onnx(r.files[f"qdq{i}"])
+        n = keep_weight_scales(m, kept)
+        if n:
+            save_onnx(m, r.files[f"qdq{i}"])
+        restored += n
+        path.unlink(missing_ok=True)
+    return {"restored": restored, "weights": sum(len(k) for _, k in shipped.values())}
 
 
 def engines_for(ctx: BuildContext, segs: list[dict], graphs: dict[int, Path], label: str, precision: str, d: Path,

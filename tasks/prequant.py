@@ -110,6 +110,8 @@ def trt_from_prequantized(model: onnx.ModelProto, dequantize_dynamic: bool = Fal
                           asymmetric: str = "exact") -> tuple[onnx.ModelProto, dict]:
     """Convert a pre-quantized graph into one TensorRT takes, keeping the model's scales where TensorRT can hold them
     (asymmetric: "exact" shifted int8 pairs, "int8" requantized, "float"; see the module doc). Returns (model, stats)."""
+    activations = any(n.op_type == "QuantizeLinear" or n.op_type in DYNAMIC_OPS or n.op_type.startswith("QLinear")
+                      or n.op_type == "QGemm" for n in model.graph.node)  # else only weights are quantized
     model, upgraded = _per_channel_opset(model)
     g = model.graph
     inits = {i.name: i for i in g.initializer}
@@ -224,6 +226,14 @@ def trt_from_prequantized(model: onnx.ModelProto, dequantize_dynamic: bool = Fal
     except Exception:  # a help for later passes, not a requirement
         pass
     stats["computes"] = quantized_kind(model)  # what the graph TensorRT gets computes below float: int8, fp8 or None
+    from .woq import weight_only_dqs
+
+    only_weights = weight_only_dqs(model.graph)
+    if not activations and only_weights and len(only_weights) == sum(n.op_type == "DequantizeLinear" for n in model.graph.node):
+        # weight-only quantization (no activation is quantized): TensorRT's layers compute float from int8 weights, so
+        # the model is a float model to every precision (int8 calibrates its activations, keeping its weight scales)
+        stats["computes"] = None
+        stats["weight_only"] = len(only_weights)
     stats["dynamic_left"] = sum(1 for n in model.graph.node if n.op_type in DYNAMIC_OPS)  # run natively
     return model, stats
 
