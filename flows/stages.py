@@ -14,6 +14,7 @@ from tasks import backend as trt_backend
 from tasks.build import engines_of, same_graph
 from tasks.errors import StageError, TrtforgeError
 from tasks.export import constants_text
+from tasks.partition import REDUCE_BUILD_SECONDS
 from tasks.util import StageResult, sha256_file
 
 STAGE_NAMES = ("export", "partition", "build", "calibrate", "validate", "benchmark")
@@ -103,11 +104,17 @@ def build(ctx: BuildContext) -> StageResult:
             r = _build_engines(ctx)
             break
         except StageError as e:
-            replan = None if attempt == MAX_REPLANS else build_fallback(
-                cfg, ctx.results["export"].files["onnx"], ctx.results["partition"].details, e,
-                lambda: generated_feeds(i.inputs, i.profiles[:1], 0, ctx.cfg.seed, rules=i.rules),
-                lambda m, p: build_error(m, p, ctx.cfg.precision.baseline, t.compute_capability, ctx.c("build"), ctx.backend))
+            with _bisect_progress(ctx.show_progress, attempt + 1) as progress:
+                replan = None if attempt == MAX_REPLANS else build_fallback(
+                    cfg, ctx.results["export"].files["onnx"], ctx.results["partition"].details, e,
+                    lambda: generated_feeds(i.inputs, i.profiles[:1], 0, ctx.cfg.seed, rules=i.rules),
+                    lambda m, p: build_error(m, p, ctx.cfg.precision.baseline, t.compute_capability, ctx.c("build"),
+                                             ctx.backend, seconds=REDUCE_BUILD_SECONDS), progress=progress)
             if replan is None:
+                if notes:  # what the fallback did before it gave up, once, after the builder's own words
+                    e.message += f" (after {len(notes)} re-plan{'s' if len(notes) > 1 else ''} that ran the nodes " \
+                                 "TensorRT could not build in ONNX Runtime; partition.json lists them)"
+                    e.args = (e.render(),)
                 raise
             cfg, note = replan
             ctx.results["partition"] = plan = partition(ctx, cfg)
@@ -116,6 +123,21 @@ def build(ctx: BuildContext) -> StageResult:
     if notes:
         ctx.stages["partition"]["note"] = "; ".join(notes)
     return r
+
+
+@contextlib.contextmanager
+def _bisect_progress(show: bool, replan: int):
+    """One status line on stderr while the fallback bisects: which build, of at most how many, and for how long."""
+    if not show:
+        yield None
+        return
+    from rich.console import Console
+
+    with Console(stderr=True).status(f"  build failed: looking for the nodes TensorRT cannot build (re-plan {replan})") \
+            as status:
+        yield lambda k, cap, seconds: status.update(
+            f"  build failed: bisecting the segment, build {k} of at most {cap} ({seconds:.0f} s; each at most "
+            f"{REDUCE_BUILD_SECONDS:.0f} s), re-plan {replan}")
 
 
 def _build_engines(ctx: BuildContext) -> StageResult:

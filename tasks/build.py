@@ -101,23 +101,28 @@ def check_types(path: Path, segment: int, stage: str) -> None:
 
 
 def build_error(model, profiles: list[dict], precision: str, compute_capability: str, build_cfg: Any,
-                backend: Backend) -> str | None:
-    """Whether a (sub)graph builds at ``precision`` as the build stage would build it: None, or the builder's words.
-    For the fallback's bisection (tasks.partition.failing_node)."""
+                backend: Backend, seconds: float | None = None) -> str | None:
+    """Whether a (sub)graph builds at ``precision`` as the build stage would build it: None, or the builder's words
+    (tasks.partition.TIMED_OUT when the build ran past ``seconds`` and was cancelled). For the fallback's bisection
+    (tasks.partition.failing_node)."""
     import tempfile
 
     import onnx
 
-    with tempfile.TemporaryDirectory(prefix="trtforge-reduce-") as d:
+    from .backend import deadline_monitor
+    from .partition import TIMED_OUT
+
+    monitor = deadline_monitor(backend.trt, seconds) if seconds else None
+    with tempfile.TemporaryDirectory(prefix="trtforge-reduce-") as d, quiet_native(None):
         path = Path(d) / "sub.onnx"
         onnx.save(model, str(path))
         try:
             graph = onnx_at_precision(path, precision if precision in ("fp16", "fp32") else "as_is",
                                       Path(d) / "sub.p.onnx").files["onnx"]
             backend.build_engine(str(graph), profiles, compute_capability, optimization_level=build_cfg["optimization_level"],
-                                 workspace_mib=build_cfg["workspace_mib"], stage="build")
+                                 workspace_mib=build_cfg["workspace_mib"], progress=monitor, stage="build")
         except StageError as e:
-            return e.message
+            return TIMED_OUT if monitor is not None and monitor.cancelled else e.message
     return None
 
 
