@@ -162,6 +162,12 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> "BuildInputs":
         raise ConfigError(f"model.format={m.format!r} is not supported", fix="use onnx, torch or paddle")
     if m.asymmetric not in ("exact", "int8", "float"):
         raise ConfigError(f"model.asymmetric={m.asymmetric!r} is unknown", fix="use exact, int8 or float")
+    if m.reference not in ("shipped", "dequantized"):
+        raise ConfigError(f"model.reference={m.reference!r} is unknown", fix="use shipped or dequantized")
+    if m.reference == "dequantized" and not m.dequantize_dynamic:
+        raise ConfigError("model.reference=dequantized names the dequantized float form of a dynamically quantized "
+                          "model, which only model.dequantize_dynamic=true builds",
+                          fix="set model.dequantize_dynamic=true too, or model.reference=shipped")
     cal = cfg.calibration
     if cal.method is not None and cal.method not in ("entropy", "minmax", "percentile"):
         raise ConfigError(f"calibration.method={cal.method!r} is unknown", fix="use entropy, minmax or percentile")

@@ -300,8 +300,13 @@ def validate(ctx: BuildContext) -> StageResult:
     if not ctx.cfg.stages.validate:
         raise Skip("disabled (stages.validate=false)")
     ref, cand, val = ctx.results["export"], deliverable(ctx), ctx.data.validation
-    reference = ref.files.get("reference", ref.files["onnx"])  # a pre-quantized model: as shipped, in ONNX Runtime
-    reference_label = "the model as shipped" if "reference" in ref.files else "fp32"
+    # a pre-quantized model: as shipped, in ONNX Runtime; a dynamically quantized one built dequantized may be validated
+    # against its float form instead (model.reference=dequantized: what the engine computes, chosen knowingly)
+    shipped = "reference" in ref.files and ctx.cfg.model.reference == "shipped"
+    dequantized = bool((ref.details.get("prequantized") or {}).get("dequantized_dynamic"))
+    reference = ref.files["reference"] if shipped else ref.files["onnx"]
+    reference_label = "the model as shipped" if shipped else (
+        "its dequantized float form (model.reference=dequantized)" if "reference" in ref.files else "fp32")
     if ctx.cfg.model.constants:
         reference_label += f" with {constants_text(ctx.c('model.constants'))} bound (model.constants)"
     ctx.stages.setdefault("validate", {})["reference"] = reference_label
@@ -311,12 +316,13 @@ def validate(ctx: BuildContext) -> StageResult:
                                       else trt_backend.no_gpu_reason(cc))
     segs = {s["index"]: s["onnx"] for s in trt_segments(ctx)}
     candidates = engines_of(cand)
-    identical = "reference" not in ref.files and all(same_graph(o, segs[i]) for i, _, o in candidates)
+    identical = not shipped and all(same_graph(o, segs[i]) for i, _, o in candidates)
     evidence = [w for w in (describe_thin(val),) if w]
     parts = {"reference": sha256_file(reference), "candidate": [sha256_file(o) for _, _, o in candidates],
              "plan": sha256_file(ctx.results["partition"].files["partition"]), "data": val.key,
              "min_cosine": ctx.cfg.accuracy.min_cosine, "precision": ctx.cfg.precision.name,  # in the result's labels
-             "engines": [sha256_file(e) for _, e, _ in candidates] if engine_reason is None else None}
+             "engines": [sha256_file(e) for _, e, _ in candidates] if engine_reason is None else None,
+             "dequantized": file_hash(ref, "onnx") if shipped and dequantized else None}
     label = f"{ctx.cfg.model.name} at {ctx.cfg.precision.name}"
     fix = accuracy_fix(prequantized(ctx) or {}, None, ctx.cfg.accuracy.min_cosine)
 
@@ -324,16 +330,23 @@ def validate(ctx: BuildContext) -> StageResult:
         with contextlib.ExitStack() as runners:
             engine = candidate_runner(ctx, runners=runners) if engine_reason is None else None
             try:
-                return validate_onnx(reference, candidate_runner(ctx), val.feeds, ctx.cfg.accuracy.min_cosine,
-                                     val.source, d / "validation.json", engine=engine, engine_skip_reason=engine_reason,
-                                     label=label, reference_label=reference_label, identical=identical,
-                                     emulation=f"onnxruntime emulation of {ctx.cfg.precision.name}",
-                                     engine_device=gpu and f"engine on {gpu.name} (sm {gpu.compute_capability})",
-                                     reference_spread="reference" in ref.files, evidence=evidence, fix=fix)
+                r = validate_onnx(reference, candidate_runner(ctx), val.feeds, ctx.cfg.accuracy.min_cosine,
+                                  val.source, d / "validation.json", engine=engine, engine_skip_reason=engine_reason,
+                                  label=label, reference_label=reference_label, identical=identical,
+                                  emulation=f"onnxruntime emulation of {ctx.cfg.precision.name}",
+                                  engine_device=gpu and f"engine on {gpu.name} (sm {gpu.compute_capability})",
+                                  # dequantized: the distance to the float form says more than the shipped model's
+                                  # agreement with itself
+                                  reference_spread=shipped and not dequantized, evidence=evidence, fix=fix)
             except TrtforgeError as e:  # the failed verdict is a result too: cached, gated below
                 if getattr(e, "result", None) is None:
                     raise
-                return e.result
+                r = e.result
+            if shipped and dequantized:  # how far the float model the engine computes is from the model as shipped
+                from tasks.prequant import dequantized_vs_shipped
+                r.metrics["dequantized_vs_shipped_cosine_min"] = dequantized_vs_shipped(ref.files["onnx"], reference,
+                                                                                        val.feeds)
+            return r
 
     r = ctx.cached("validate", parts, work, data=True)
     if r.details.get("left_out"):  # shapes the fp32 model itself fails on: a property of the model, said once
@@ -341,7 +354,15 @@ def validate(ctx: BuildContext) -> StageResult:
     for w in r.details.get("evidence", []):
         ctx.warn("validate", w)
     spread = r.details.get("reference_spread", {}).get("cosine_min")
-    gate(r, label=label, fix=accuracy_fix(prequantized(ctx) or {}, spread, ctx.cfg.accuracy.min_cosine))
+    apart = r.metrics.get("dequantized_vs_shipped_cosine_min")
+    if apart is not None:
+        from tasks.prequant import dequantized_fix
+        fix = dequantized_fix(apart, val.kind == "random", ctx.cfg.accuracy.min_cosine)
+        if not r.details["passed"]:
+            ctx.warn("validate", fix)
+    else:
+        fix = accuracy_fix(prequantized(ctx) or {}, spread, ctx.cfg.accuracy.min_cosine)
+    gate(r, label=label, fix=fix)
     return r
 
 
