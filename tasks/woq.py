@@ -3,7 +3,8 @@
 stored quantized. TensorRT refuses such a graph ("Quantized constant (...) is only allowed before DQ"): an int8
 constant may only feed a DequantizeLinear. The pattern computes exactly what DequantizeLinear computes, so:
 
-- where it is a layer's weight (Conv input 1, MatMul/Gemm input 1) with one scale per tensor or per output channel and
+- where it is a layer's weight (Conv input 1, MatMul/Gemm input 1; or an embedding table whose rows a Gather reads,
+  scaled per row or per tensor) with one scale per tensor or per output channel and
   a zero point TensorRT can take (int8 zero point 0; uint8 with zero point 128 and 4-bit values shift exactly to
   int8), it becomes int8 constant -> DequantizeLinear (TensorRT's weight-only quantization: the layer computes in
   float from the model's own int8 weights; verified to build for MatMul and Conv);
@@ -135,15 +136,15 @@ def dequantize_cast_weights(model: onnx.ModelProto) -> dict:
             if codes.min() < -128 or codes.max() > 127:
                 reason, codes = "its values less the zero point do not fit int8", None
         consumers = readers.get(cur, [])
-        layer_axes = {(_output_axis(c, w.ndim) if c.input[1:2] == [cur] and c.op_type in LAYERS else "no")
-                      for c in consumers}
+        layer_axes = {(_output_axis(c, w.ndim) if c.input[1:2] == [cur] and c.op_type in LAYERS else
+                       0 if _gathers_rows(c, cur) else "no") for c in consumers}
         if codes is not None and (not consumers or cur in outputs or "no" in layer_axes or None in layer_axes):
-            reason, codes = "it is not only a Conv/MatMul/Gemm weight", None
+            reason, codes = "it is not only a Conv/MatMul/Gemm weight or an embedding table", None
         new_axis = None
         if codes is not None and how == "channel":
             new_axis = perm.index(axis) if perm is not None else axis
             if layer_axes != {new_axis}:
-                reason, codes = "its scale is per input channel, not per output channel", None
+                reason, codes = "its scale is per input channel, not per output channel (or per row of a table)", None
             elif not per_channel_ok:
                 reason, codes = "per-channel DequantizeLinear needs opset 13", None
         weight = cur
@@ -181,15 +182,22 @@ def dequantize_cast_weights(model: onnx.ModelProto) -> dict:
             "folded": sum(v["as"] == "float" for v in found.values())}
 
 
+def _gathers_rows(node: onnx.NodeProto, table: str) -> bool:
+    """Whether ``node`` gathers rows (axis 0) of ``table`` (an embedding lookup)."""
+    return node.op_type == "Gather" and node.input[0] == table and \
+        next((a.i for a in node.attribute if a.name == "axis"), 0) == 0
+
+
 def weight_only_dqs(g: onnx.GraphProto) -> list[onnx.NodeProto]:
-    """DequantizeLinear nodes of constants that feed only layer weights, in a graph without QuantizeLinear (a
-    weight-only quantized model: its layers compute float)."""
+    """DequantizeLinear nodes of constants that feed only layer weights (or embedding tables' row lookups), in a graph
+    without QuantizeLinear (a weight-only quantized model: its layers compute float)."""
     if any(n.op_type == "QuantizeLinear" for n in g.node):
         return []
     inits = {t.name for t in g.initializer}
     _, readers = links(g)
     return [n for n in g.node if n.op_type == "DequantizeLinear" and n.input[0] in inits and readers.get(n.output[0])
-            and all(r.op_type in LAYERS and r.input[1:2] == [n.output[0]] for r in readers[n.output[0]])]
+            and all((r.op_type in LAYERS and r.input[1:2] == [n.output[0]]) or _gathers_rows(r, n.output[0])
+                    for r in readers[n.output[0]])]
 
 
 def float_weights(model: onnx.ModelProto) -> dict[str, dict]:

@@ -28,6 +28,24 @@ def minilm():
     return SentenceEncoder().eval()
 
 
+def minilm_tokens():
+    """all-MiniLM-L6-v2 (minilm above) returning the token states too, as sentence-transformers' output_value=None
+    does: the token states are a model output that the mean pooling also reads (a graph output read inside the graph)."""
+    import torch
+
+    class TokensAndSentence(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bert = minilm().bert
+
+        def forward(self, input_ids, attention_mask):
+            tokens = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            mask = attention_mask.unsqueeze(-1).to(tokens.dtype)
+            return tokens, (tokens * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+
+    return TokensAndSentence().eval()
+
+
 def minilm_woq():
     """all-MiniLM-L6-v2 (minilm above) with weight-only int8 Linear layers, as torch code writes weight-only
     quantization: each Linear's weight stored as an int8 buffer with a per-output-channel scale (symmetric, the scale

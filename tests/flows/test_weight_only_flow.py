@@ -108,3 +108,34 @@ def test_a_weight_only_int8_model_builds_at_every_precision(prefect_harness, woq
         assert "kept for 3 of its 3 weights" in s["stages"]["calibrate"]["note"]  # the model's own weight scales
     else:  # weight-only: the layers compute float from int8 weights
         assert share[precision] > 0.99 and s["stages"]["calibrate"]["status"] == "skipped"
+
+
+def test_an_embedding_table_stored_int8_stays_int8_and_builds(tmp_path):
+    """int8 table -> Cast -> Mul(scale per row) -> Gather (a word embedding stored quantized): int8 ->
+    DequantizeLinear(axis 0) -> Gather, which TensorRT-RTX builds (the table stays int8), and the values are the same."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from tasks.backend import Backend
+    from tasks.ort import ort_runner
+    from tasks.woq import dequantize_cast_weights
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.integers(-127, 128, (500, 32)).astype(np.int8), "table_q"),
+             numpy_helper.from_array((rng.random((500, 1)) * 0.01 + 1e-3).astype(np.float32), "table_s")]
+    nodes = [helper.make_node("Cast", ["table_q"], ["table_f"], to=TensorProto.FLOAT),
+             helper.make_node("Mul", ["table_f", "table_s"], ["table"]),
+             helper.make_node("Gather", ["table", "ids"], ["y"])]
+    g = helper.make_graph(nodes, "emb", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["b", "s"])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", "s", 32])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.save(m, str(tmp_path / "emb.onnx"))
+    stats = dequantize_cast_weights(m)
+    assert stats["weight_only"]["table"] == {"as": "dequantize_linear", "dtype": "int8", "axis": 0}
+    onnx.save(m, str(tmp_path / "dq.onnx"))
+    ids = {"ids": rng.integers(0, 500, (2, 7)).astype(np.int64)}
+    np.testing.assert_array_equal(ort_runner(str(tmp_path / "dq.onnx"), optimization="basic")(ids)["y"],
+                                  ort_runner(str(tmp_path / "emb.onnx"))(ids)["y"])
+    assert Backend("tensorrt_rtx").build_engine(str(tmp_path / "dq.onnx"),
+                                                [{"ids": {"min": [1, 4], "opt": [2, 8], "max": [4, 16]}}], "8.6")
