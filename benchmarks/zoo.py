@@ -348,6 +348,8 @@ def calibration_data(name: str, form: str, folder: Path, samples: int = CALIBRAT
             arrays[k] = audio(full, rng, float(recipe[k].get("scale", 1.0)), float(recipe[k].get("peak", 0.5))).astype(dtype)
         elif k in recipe and recipe[k].get("kind") == "file_bytes":
             arrays[k] = file_bytes(full, rng, **{a: int(v) for a, v in recipe[k].items() if a != "kind"}).astype(dtype)
+        elif k in recipe and recipe[k].get("kind") == "tokens":  # token ids of a vocabulary (0 .. vocab - 1)
+            arrays[k] = rng.integers(0, int(recipe[k]["vocab"]), full).astype(dtype)
         elif k in recipe and recipe[k].get("kind") == "lengths":
             continue  # after the input it measures
         elif np.issubdtype(np.dtype(dtype), np.floating):

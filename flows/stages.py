@@ -233,8 +233,8 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
     if kept:
         ctx.stages.setdefault("calibrate", {})["note"] = (
             f"weight-only quantized model: activations calibrated; the model's own int8 weights and scales kept for "
-            f"{kept['restored']} of its {kept['weights']} weights (the others: the layer stayed in higher precision, "
-            "or calibration quantized the weight along another axis)")
+            f"{kept['restored']} of its {kept['weights']} weights" + ("" if kept["restored"] == kept["weights"] else
+                                                                     " (the others are float: another axis or shape)"))
     files = {**e.files, **{f"onnx{s['index']}": q.files[f"qdq{s['index']}"] for s in segs},
              **{k: v for k, v in q.files.items() if k.startswith("sensitivity")}}
     details = {"engines": [{**x, "onnx": q.files[f"qdq{x['segment']}"].name} for x in e.details["engines"]],

@@ -244,6 +244,45 @@ def keep_weight_scales(model: onnx.ModelProto, kept: dict[str, dict]) -> int:
         inits[dq.input[1]].CopyFrom(numpy_helper.from_array(k["scale"].astype(scale_dtype).reshape(
             numpy_helper.to_array(inits[dq.input[1]]).shape), dq.input[1]))
         n += 1
+    return n + _requantize_float_weights(model, kept)
+
+
+def _requantize_float_weights(model: onnx.ModelProto, kept: dict[str, dict]) -> int:
+    """Weights calibration left in float (a layer the accuracy search kept in higher precision, an embedding table)
+    get the model's own int8 codes back behind a DequantizeLinear (weight-only again: the layer computes float, fp16
+    where the graph is fp16, from int8 weights). Returns how many."""
+    g = model.graph
+    _, readers = links(g)
+    fp16_scales_ok = opset_of(model) >= 19
+    taken = {t.name for t in g.initializer} | {o for n in g.node for o in n.output} | {n.name for n in g.node}
+    n = 0
+    for t in list(g.initializer):
+        base = t.name[: -len("_fp16")] if t.name.endswith("_fp16") and t.name[: -len("_fp16")] in kept else t.name
+        if base not in kept or t.data_type not in FLOAT_TYPES or not readers.get(t.name):
+            continue
+        if t.data_type == TensorProto.FLOAT16 and not fp16_scales_ok:
+            continue
+        if not all((r.op_type in LAYERS and r.input[1:2] == [t.name]) or _gathers_rows(r, t.name)
+                   for r in readers[t.name]):
+            continue
+        k = kept[base]
+        if k["codes"].shape != tuple(t.dims):
+            continue
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
+        names = [unique_name(f"{t.name}_{x}", taken) for x in ("int8", "scale", "zero_point", "dq")]
+        taken.update(names)
+        g.initializer.extend([numpy_helper.from_array(k["codes"], names[0]),
+                              numpy_helper.from_array(k["scale"].astype(dtype), names[1]),
+                              numpy_helper.from_array(np.zeros(k["scale"].shape, np.int8), names[2])])
+        attrs = {"axis": k["axis"]} if k["axis"] is not None else {}
+        g.node.insert(0, onnx.helper.make_node("DequantizeLinear", names[:3], [names[3]], name=names[3], **attrs))
+        for r in readers[t.name]:
+            for i, x in enumerate(r.input):
+                if x == t.name:
+                    r.input[i] = names[3]
+        n += 1
+    if n:
+        prune_unused(g)
     return n
 
 
