@@ -78,8 +78,12 @@ def onnx_from_model(model_cfg: Any, profiles: list[dict], out_path: Path, search
     if has_cast_weights(model):  # weight-only quantization written as Cast -> Mul: TensorRT takes it as DQ
         shipped = onnx.ModelProto()
         shipped.CopyFrom(model)
-        details["weight_only"] = dequantize_cast_weights(model)
-        notes.append(weight_only_note(details["weight_only"]))
+        found = dequantize_cast_weights(model)
+        notes.append(weight_only_note(found))
+        if found["weight_only"]:
+            details["weight_only"] = found
+        else:  # nothing rewritten: the graph is the model as shipped
+            shipped = None
     quant = quantization_of(model)
     if any(quant.values()) or shipped is not None:  # the model as shipped is the reference; TensorRT gets what it can take
         files["reference"] = out_path.with_name("shipped.onnx")
