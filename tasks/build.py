@@ -82,24 +82,47 @@ def onnx_at_precision(fp32_path: Path, precision: str, out_path: Path, keep_fp32
     return StageResult(files={"onnx": out_path}, metrics={"convert_seconds": time.perf_counter() - t0}, details=stats)
 
 
+def check_types(path: Path, segment: int, stage: str) -> None:
+    """Refuse a precision graph in which a node's float inputs of one type group have two types (TensorRT's "must be
+    of same type"), naming the node and the two types."""
+    import onnx
+
+    from .precision import mixed_input_types
+
+    bad = mixed_input_types(onnx.load(str(path), load_external_data=False))
+    if bad:
+        node, op, a, ta, b, tb = bad[0]
+        more = f" (and {len(bad) - 1} more nodes)" if len(bad) > 1 else ""
+        raise SegmentBuildError(
+            f"the precision graph gives node {node!r} ({op}) inputs of two types: {a!r} is {ta}, {b!r} is {tb}{more}; "
+            f"TensorRT takes one type per node", segment=segment, stage=stage, file=str(path),
+            fix=f"this is a conversion fault, please report it with the model; meanwhile precision=fp32 builds it, or "
+                f"partition.exclude_ops=[{op}] runs {op} nodes in ONNX Runtime")
+
+
 def build_error(model, profiles: list[dict], precision: str, compute_capability: str, build_cfg: Any,
-                backend: Backend) -> str | None:
-    """Whether a (sub)graph builds at ``precision`` as the build stage would build it: None, or the builder's words.
-    For the fallback's bisection (tasks.partition.failing_node)."""
+                backend: Backend, seconds: float | None = None) -> str | None:
+    """Whether a (sub)graph builds at ``precision`` as the build stage would build it: None, or the builder's words
+    (tasks.partition.TIMED_OUT when the build ran past ``seconds`` and was cancelled). For the fallback's bisection
+    (tasks.partition.failing_node)."""
     import tempfile
 
     import onnx
 
-    with tempfile.TemporaryDirectory(prefix="trtforge-reduce-") as d:
+    from .backend import deadline_monitor
+    from .partition import TIMED_OUT
+
+    monitor = deadline_monitor(backend.trt, seconds) if seconds else None
+    with tempfile.TemporaryDirectory(prefix="trtforge-reduce-") as d, quiet_native(None):
         path = Path(d) / "sub.onnx"
         onnx.save(model, str(path))
         try:
             graph = onnx_at_precision(path, precision if precision in ("fp16", "fp32") else "as_is",
                                       Path(d) / "sub.p.onnx").files["onnx"]
             backend.build_engine(str(graph), profiles, compute_capability, optimization_level=build_cfg["optimization_level"],
-                                 workspace_mib=build_cfg["workspace_mib"], stage="build")
+                                 workspace_mib=build_cfg["workspace_mib"], progress=monitor, stage="build")
         except StageError as e:
-            return e.message
+            return TIMED_OUT if monitor is not None and monitor.cancelled else e.message
     return None
 
 
@@ -138,9 +161,19 @@ def engines_for_segments(segments: list[dict], graphs: dict[int, Path], stem: st
     ``label``: the precision the engines are named after; refused when the profile disagrees (tasks.flops)."""
     from .flops import label_disagreement, precision_profile
 
+    for s in segments:  # a node reading two float types is refused by TensorRT; say which, before it does
+        check_types(Path(graphs[s["index"]]), s["index"], stage)
     # what the engines will compute, from the networks TensorRT parses, before the (longer) builds: the name must say it
-    prof = precision_profile([graphs[s["index"]] for s in segments], [s["profiles"] for s in segments], backend,
-                             out_dir, title)
+    try:
+        prof = precision_profile([graphs[s["index"]] for s in segments], [s["profiles"] for s in segments], backend,
+                                 out_dir, title)
+    except SegmentBuildError:
+        raise
+    except StageError as e:  # the parse of one segment's graph failed: the fallback narrows it down, as for a build
+        seg = next((s["index"] for s in segments if str(graphs[s["index"]]) == e.file), None)
+        if seg is None:
+            raise
+        raise SegmentBuildError(e.message, segment=seg, stage=e.stage, file=e.file, fix=e.fix) from e
     wrong = label and label_disagreement(label, prof.metrics.get("flops_share"))
     if wrong:
         raise StageError(f"an engine named {label} would compute {wrong}", stage=stage,

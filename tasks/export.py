@@ -39,7 +39,10 @@ def onnx_from_model(model_cfg: Any, profiles: list[dict], out_path: Path, search
                     cache_root: Path | None = None) -> StageResult:
     """Export or pass through, then sanitize; writes out_path (fp32 ONNX). `cache_root` keeps Paddle conversions."""
     from .graph import fold_for_profiles, load_onnx, opset_of, specialise
+    import onnx
+
     from .prequant import quantization_of, trt_from_prequantized
+    from .woq import dequantize_cast_weights, has_cast_weights, weight_only_note
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -71,15 +74,27 @@ def onnx_from_model(model_cfg: Any, profiles: list[dict], out_path: Path, search
     if folded:
         details["folded"] = folded
         notes += folded
+    shipped = None
+    if has_cast_weights(model):  # weight-only quantization written as Cast -> Mul: TensorRT takes it as DQ
+        shipped = onnx.ModelProto()
+        shipped.CopyFrom(model)
+        found = dequantize_cast_weights(model)
+        notes.append(weight_only_note(found))
+        if found["weight_only"]:
+            details["weight_only"] = found
+        else:  # nothing rewritten: the graph is the model as shipped
+            shipped = None
     quant = quantization_of(model)
-    if any(quant.values()):  # the model as shipped is the reference; TensorRT gets what it can take
+    if any(quant.values()) or shipped is not None:  # the model as shipped is the reference; TensorRT gets what it can take
         files["reference"] = out_path.with_name("shipped.onnx")
-        save_onnx(model, files["reference"])
+        save_onnx(shipped if shipped is not None else model, files["reference"])
+    if any(quant.values()):
         model, stats = trt_from_prequantized(model, bool(model_cfg.get("dequantize_dynamic")),
                                              model_cfg.get("asymmetric") or "exact")
         details["prequantized"] = {**quant, **stats}
         files["prequant"] = write_json(out_path.with_name("prequant.json"), details["prequantized"])  # per tensor
-        metrics.update(quantized_layers=stats["quantized_layers"], fallback_layers=stats["fallback_layers"])
+        if stats["computes"] or stats["dynamic_left"]:  # a weight-only model computes float: no quantized layers
+            metrics.update(quantized_layers=stats["quantized_layers"], fallback_layers=stats["fallback_layers"])
     save_onnx(model, out_path)
     ins, outs = graph_io(model)
     return StageResult(

@@ -292,15 +292,20 @@ def without_control_flow(onnx_path: Path, partition_cfg: dict) -> tuple[dict, li
 
 
 MAX_REDUCE_BUILDS = 16  # builds one bisection may try (a segment of n nodes needs about log2(n))
+REDUCE_BUILD_SECONDS = 60.0  # one bisection build is cancelled after this (a prefix that builds takes seconds)
+REDUCE_SECONDS = 300.0  # the whole bisection stops trying new builds after this
 
 
 def failing_node(onnx_path: Path, nodes: list[int], feeds: list[dict[str, np.ndarray]],
-                 build: Callable[[Any, list[dict]], str | None], cap: int = MAX_REDUCE_BUILDS) -> tuple[int, str, int] | None:
+                 build: Callable[[Any, list[dict]], str | None], cap: int = MAX_REDUCE_BUILDS,
+                 progress: Callable[[int, int, float], None] | None = None,
+                 seconds: float = REDUCE_SECONDS) -> tuple[int, str, int] | None:
     """The node of a TensorRT segment (``nodes``, in graph order) that its engine fails on, as Polygraphy's
     ``debug reduce`` finds it: bisect on prefixes of the segment, each built alone (``build(model, profiles)``: None
-    or the builder's words) with its boundary shapes from ONNX Runtime runs on ``feeds`` ([min, opt, max] of the
-    first profile). Returns (node index, the builder's words, builds tried), or None when no single node is found
-    within ``cap`` builds."""
+    or the builder's words; a build that timed out says so with TIMED_OUT) with its boundary shapes from ONNX Runtime
+    runs on ``feeds`` ([min, opt, max] of the first profile). ``progress(try, cap, elapsed seconds)`` before each build.
+    Returns (node index, the builder's words, builds tried), or None when no single node is found within ``cap``
+    builds and ``seconds``, or a build timed out (its verdict is unknown)."""
     import onnx
 
     from .segments import io_of, submodel
@@ -309,16 +314,20 @@ def failing_node(onnx_path: Path, nodes: list[int], feeds: list[dict[str, np.nda
     every = [o for i in nodes for o in model.graph.node[i].output if o] + \
         [x for i in nodes for x in model.graph.node[i].input if x]
     shapes = _shape_ranges(model, list(dict.fromkeys(every)), feeds, onnx_path)
-    lo, hi, words, tries = 0, len(nodes), None, 0
-    while hi - lo > 1 and tries < cap:
+    lo, hi, words, tries, t0 = 0, len(nodes), None, 0, time.perf_counter()
+    while hi - lo > 1 and tries < cap and time.perf_counter() - t0 < seconds:
         mid = (lo + hi) // 2
         ins, outs = io_of(model, nodes[:mid])
         if any(n not in shapes for n in ins + outs):
             return None
         sub = submodel(model, nodes[:mid], ins, outs, shapes, "reduce")
         prof = [{n: {k: shapes[n][k] for k in ("min", "opt", "max")} for n in ins if shapes[n]["min"] != shapes[n]["max"]}]
+        if progress is not None:
+            progress(tries + 1, cap, time.perf_counter() - t0)
         err = build(sub, prof if prof[0] else [])
         tries += 1
+        if err == TIMED_OUT:
+            return None
         if err is None:
             lo = mid
         else:
@@ -328,12 +337,44 @@ def failing_node(onnx_path: Path, nodes: list[int], feeds: list[dict[str, np.nda
     return nodes[hi - 1], words, tries  # words None: only the whole segment failed, with its last node
 
 
+TIMED_OUT = "timed out"  # what a bisection build that was cancelled at its deadline answers
+
+
+def kind_of(model, index: int) -> tuple:
+    """What makes a node "of its kind" for the fallback: its op, its attributes (not subgraphs) and what each input is
+    (an initializer of which type, or a computed value). TensorRT fails the same way on every node of a kind (38 Casts
+    of int8 constants, every TopK with the same K), so they are excluded together."""
+    from onnx import AttributeProto, helper
+
+    g = model.graph
+    inits = {t.name: t.data_type for t in g.initializer}
+    n = g.node[index]
+    attrs = tuple(sorted((a.name, repr(helper.get_attribute_value(a))) for a in n.attribute
+                         if a.type not in (AttributeProto.GRAPH, AttributeProto.GRAPHS)))
+    inputs = tuple(("initializer", inits[x]) if x in inits else ("value",) if x else ("none",) for x in n.input)
+    return n.domain or "", n.op_type, attrs, inputs
+
+
+def describe_kind(model, index: int) -> str:
+    """The kind of a node in words: "Cast nodes reading an int8 initializer"."""
+    import onnx
+
+    g = model.graph
+    inits = {t.name: t.data_type for t in g.initializer}
+    n = g.node[index]
+    consts = sorted({onnx.TensorProto.DataType.Name(inits[x]).lower() for x in n.input if x in inits})
+    return f"{n.op_type} nodes" + (f" reading {'/'.join(consts)} initializers" if consts else "") + \
+        (" with the same attributes" if n.attribute else "")
+
+
 def build_fallback(partition_cfg: dict, onnx_path: Path, plan: dict, error: Exception, feeds: Callable[[], list],
-                   build: Callable[[Any, list[dict]], str | None]) -> tuple[dict, str] | None:
+                   build: Callable[[Any, list[dict]], str | None],
+                   progress: Callable[[int, int, float], None] | None = None) -> tuple[dict, str] | None:
     """After a TensorRT build failed: the partition config that runs what failed in ONNX Runtime, and what to say, or
     None when nothing can (partition.strict, partition.build_fallback=false, no single failing node found).
     Control flow first (TensorRT parses If/Loop/Scan and can still fail to build them), else the node a bisection of
-    the failing segment finds."""
+    the failing segment finds, with every TensorRT node of its kind (kind_of): one re-plan for a failure many nodes
+    share. ``progress``: told before each bisection build (failing_node)."""
     from .errors import SegmentBuildError
 
     replan = without_control_flow(onnx_path, partition_cfg)
@@ -346,7 +387,7 @@ def build_fallback(partition_cfg: dict, onnx_path: Path, plan: dict, error: Exce
     seg = next((s for s in plan["segments"] if s["index"] == error.segment and s["kind"] == "trt"), None)
     if seg is None or len(seg["nodes"]) < 1:
         return None
-    found = failing_node(onnx_path, seg["nodes"], feeds(), build)
+    found = failing_node(onnx_path, seg["nodes"], feeds(), build, progress=progress)
     if found is None:
         return None
     node, words, tries = found
@@ -356,9 +397,17 @@ def build_fallback(partition_cfg: dict, onnx_path: Path, plan: dict, error: Exce
         return None
     import onnx
 
-    n = onnx.load(str(onnx_path), load_external_data=False).graph.node[node]
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    n = model.graph.node[node]
+    kind = kind_of(model, node)
+    trt_nodes = {i for s in plan["segments"] if s["kind"] == "trt" for i in s["nodes"]}
+    same = [i for i in sorted(trt_nodes) if i != node and str(i) not in excluded and kind_of(model, i) == kind]
     why = f"TensorRT parsed it but could not build it (found by bisecting the segment, {tries} builds): {words}"
     excluded[str(node)] = why
+    for i in same:
+        excluded[str(i)] = (f"of the kind of node {n.name or '#' + str(node)} ({describe_kind(model, node)}), which "
+                            f"TensorRT parsed but could not build (found by bisecting the segment, {tries} builds): {words}")
+    also = f" with the {len(same)} other {describe_kind(model, node)} (one kind, excluded at once)" if same else ""
     return ({**partition_cfg, "exclude_nodes": excluded},
-            f"re-planned after the TensorRT build failed: node {n.name or '#' + str(node)} ({n.op_type}) runs in ONNX "
-            f"Runtime; the builder said: {words}")
+            f"re-planned after the TensorRT build failed: node {n.name or '#' + str(node)} ({n.op_type}){also} runs in "
+            f"ONNX Runtime; the builder said: {words}")

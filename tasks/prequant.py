@@ -97,10 +97,39 @@ def accuracy_fix(q: dict) -> str:
     return "use a higher precision, or lower accuracy.min_cosine if that loss is acceptable"
 
 
+def dequantized_vs_shipped(dequantized, shipped, feeds: list) -> float:
+    """The lowest output cosine (pooled over ``feeds``) of a dynamically quantized model's dequantized float form to the
+    model as shipped, both in ONNX Runtime: how far apart the float model an engine computes and the shipped model are
+    on these inputs (the shipped model quantizes its activations at run time; the float form does not)."""
+    from .metrics import compare, headline, summarize
+    from .ort import ort_runner
+
+    a, b = ort_runner(dequantized), ort_runner(shipped)
+    return headline(summarize([compare(b(f), a(f)) for f in feeds]))["cosine_min"]
+
+
+def dequantized_fix(apart: float, random_inputs: bool, min_cosine: float) -> str:
+    """What happened when a dynamically quantized model built dequantized (model.dequantize_dynamic=true) is compared
+    with the model as shipped, and the choices."""
+    scale = (" These inputs are random values inside the profiles, not the model's real input scale: the shipped "
+             "model's run-time activation quantization depends on the range it sees, so the distance on real data can "
+             "be quite different." if random_inputs else "")
+    verdict = ("no engine of it can agree more closely with the model as shipped" if apart < min_cosine else
+               "the rest of the loss is the engine's precision")
+    return (f"the engine computes the float model that the dynamically quantized one approximates "
+            f"(model.dequantize_dynamic=true), and that float model itself is at cosine {apart:.6f} to the model as "
+            f"shipped on these inputs: {verdict}.{scale} Validate on real inputs (validation.data=..., "
+            f"calibration.data=...), or choose the reference knowingly: model.reference=dequantized validates against "
+            f"the float form (what the engine computes; recorded in summary.json and the run), model.reference=shipped "
+            f"(the default) against the model as shipped; or build it as shipped with model.dequantize_dynamic=false")
+
+
 def trt_from_prequantized(model: onnx.ModelProto, dequantize_dynamic: bool = False,
                           asymmetric: str = "exact") -> tuple[onnx.ModelProto, dict]:
     """Convert a pre-quantized graph into one TensorRT takes, keeping the model's scales where TensorRT can hold them
     (asymmetric: "exact" shifted int8 pairs, "int8" requantized, "float"; see the module doc). Returns (model, stats)."""
+    activations = any(n.op_type == "QuantizeLinear" or n.op_type in DYNAMIC_OPS or n.op_type.startswith("QLinear")
+                      or n.op_type == "QGemm" for n in model.graph.node)  # else only weights are quantized
     model, upgraded = _per_channel_opset(model)
     g = model.graph
     inits = {i.name: i for i in g.initializer}
@@ -182,7 +211,7 @@ def trt_from_prequantized(model: onnx.ModelProto, dequantize_dynamic: bool = Fal
             dq.input[0], dq.input[2] = name, zname
             stats["int8_from_uint8"] += 1
         elif (_is_fp8(data) or (data.dtype == np.int8 and (zp is None or not zp.any()))) and consumers \
-                and all(_weight_of(c, dq.output[0]) for c in consumers):
+                and all(_weight_of(c, dq.output[0]) or _gathered(c, dq) for c in consumers):
             pass  # a layer's int8 weights; a quantized constant elsewhere (an Add's operand, QLinearAdd's constant
             # after the rewrite) gains nothing in int8 and the parser's broadcast reshape would separate it from its DQ
         elif asymmetric == "exact" and opset >= 13 and _shifted_int8_weights(g, dq, inits, consumers):
@@ -215,6 +244,14 @@ def trt_from_prequantized(model: onnx.ModelProto, dequantize_dynamic: bool = Fal
     except Exception:  # a help for later passes, not a requirement
         pass
     stats["computes"] = quantized_kind(model)  # what the graph TensorRT gets computes below float: int8, fp8 or None
+    from .woq import weight_only_dqs
+
+    only_weights = weight_only_dqs(model.graph)
+    if not activations and only_weights and len(only_weights) == sum(n.op_type == "DequantizeLinear" for n in model.graph.node):
+        # weight-only quantization (no activation is quantized): TensorRT's layers compute float from int8 weights, so
+        # the model is a float model to every precision (int8 calibrates its activations, keeping its weight scales)
+        stats["computes"] = None
+        stats["weight_only"] = len(only_weights)
     stats["dynamic_left"] = sum(1 for n in model.graph.node if n.op_type in DYNAMIC_OPS)  # run natively
     return model, stats
 
@@ -649,6 +686,16 @@ def _weight_of(node, tensor: str) -> bool:
         return False
     operands = node.input[:2] if node.op_type in ("MatMul", "Gemm") else node.input[1:2]
     return tensor in operands
+
+
+def _gathered(node, dq) -> bool:
+    """Whether ``node`` gathers rows of ``dq``'s output (an embedding table stored int8 with a scale per row): TensorRT
+    builds int8 -> DequantizeLinear(axis 0) -> Gather(axis 0), the table staying int8."""
+    if node.op_type != "Gather" or node.input[0] != dq.output[0]:
+        return False
+    axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+    dq_axis = next((a.i for a in dq.attribute if a.name == "axis"), 1)
+    return axis == 0 and dq_axis == 0
 
 
 def _output_channel_axis(node, tensor: str, ndim: int) -> int | None:

@@ -67,6 +67,9 @@ class ModelConfig:
     # a model quantized dynamically (DynamicQuantizeLinear, ConvInteger, MatMulInteger): those parts run in ONNX Runtime,
     # or with true become float MatMul/Conv on the dequantized weights (then TensorRT can take them)
     dequantize_dynamic: bool = False
+    # what a model that arrives quantized is validated against: "shipped" (the model as shipped, in ONNX Runtime) or,
+    # with dequantize_dynamic=true, "dequantized" (its dequantized float form: what the engine computes)
+    reference: str = "shipped"
     # a model that arrives with asymmetric Q/DQ (uint8 zero point != 128, int8 with a zero point; TensorRT takes no zero
     # point): exact keeps the model's own rounding as a shifted int8 pair (int8 layers where the shift folds into a
     # bias); int8 requantizes the pairs feeding Conv/MatMul/Gemm to symmetric int8 over their range (faster, another

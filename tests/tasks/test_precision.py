@@ -782,3 +782,60 @@ def test_a_centered_variance_and_data_near_zero_keep_everything_fp16(tmp_path):
     for variance in ("centered", "moments"):
         path = _layernorm_model(tmp_path / f"{variance}.onnx", variance)
         assert fp16_hazards_from_data(onnx.load(str(path)), [{"x": zero_mean}]) == ({}, {}), variance
+
+
+def _output_read_inside_model():
+    """x -> Conv -> y1 (a graph output, e.g. an audio CNN's intermediate embedding) -> Relu -> Conv -> y2: the
+    converter casts y1 back to fp32 for the output, and its readers then got fp32 next to fp16 weights (TensorRT:
+    "IConvolutionLayer `input` and `kernel` must be of same type. `input` type is Float but `kernel` is of type Half")."""
+    rng = np.random.default_rng(0)
+    inits = [nh.from_array(rng.standard_normal((4, 4, 3, 3)).astype(np.float32) * 0.2, "w1"),
+             nh.from_array(rng.standard_normal((4, 4, 3, 3)).astype(np.float32) * 0.2, "w2")]
+    nodes = [oh.make_node("Conv", ["x", "w1"], ["y1"], pads=[1, 1, 1, 1], name="conv1"),
+             oh.make_node("Relu", ["y1"], ["r"], name="relu"),
+             oh.make_node("Conv", ["r", "w2"], ["y2"], pads=[1, 1, 1, 1], name="conv2")]
+    g = oh.make_graph(nodes, "outs", [oh.make_tensor_value_info("x", TP.FLOAT, ["n", 4, 8, 8])],
+                      [oh.make_tensor_value_info("y1", TP.FLOAT, None), oh.make_tensor_value_info("y2", TP.FLOAT, None)],
+                      inits)
+    m = oh.make_model(g, opset_imports=[oh.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+@pytest.mark.parametrize("keep", [{}, {"x": 1e5}, {"r": 1e5}])
+def test_every_node_takes_one_float_type_and_tensorrt_builds_it(keep):
+    """Kept nodes take fp32 on every float input, converted ones fp16 (weights too), whatever the converter left; the
+    type check finds nothing, ONNX Runtime runs it, TensorRT-RTX builds it, and it computes what fp32 does."""
+    from tasks.precision import mixed_input_types, value_types
+
+    m = _output_read_inside_model()
+    m16, stats = fp16_from_onnx(m, keep_fp32=keep)
+    assert mixed_input_types(m16) == []
+    types = value_types(m16)
+    kept = set(stats["data_range"])  # the nodes the range check kept in fp32
+    assert kept == {"x": {"conv1"}, "r": {"relu", "conv2"}}.get(next(iter(keep), None), set())
+    for n in m16.graph.node:  # every float input of a layer has the layer's own type
+        if n.op_type in ("Conv", "Relu"):
+            want = TP.FLOAT if n.name in kept else TP.FLOAT16
+            assert {types[i] for i in n.input} == {want}, (n.name, [types[i] for i in n.input])
+    if not keep:
+        assert not kept and stats["type_casts"] == 0  # the converted Relu reads the Conv's fp16 output directly
+    x = np.random.default_rng(1).standard_normal((2, 4, 8, 8)).astype(np.float32)
+    for a, b in zip(_ort_io(m, {"x": x}), _ort_io(m16, {"x": x})):
+        assert _cosine(a, b) > MIN_COSINE
+    assert _trt_build(m16, {"x": ((1, 4, 8, 8), (2, 4, 8, 8), (4, 4, 8, 8))}) > 0
+
+
+def test_the_type_check_names_the_node_and_its_two_types(tmp_path):
+    """A graph handing a Conv fp32 data and fp16 weights is refused before TensorRT, naming both (and how to go on)."""
+    from tasks.build import check_types
+    from tasks.errors import SegmentBuildError
+
+    m = _output_read_inside_model()
+    w = m.graph.initializer[1]
+    w.CopyFrom(nh.from_array(nh.to_array(w).astype(np.float16), "w2"))
+    onnx.save(m, str(tmp_path / "mixed.onnx"))
+    with pytest.raises(SegmentBuildError) as e:
+        check_types(tmp_path / "mixed.onnx", 0, "build")
+    assert "'conv2' (Conv)" in e.value.message and "'r' is float, 'w2' is float16" in e.value.message
+    assert "partition.exclude_ops=[Conv]" in e.value.fix and e.value.segment == 0

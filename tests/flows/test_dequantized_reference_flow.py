@@ -1,0 +1,52 @@
+"""A dynamically quantized model built dequantized (issue 29 item 5): when it departs from the model as shipped, the
+refusal says why (the engine computes the float model the quantized one approximates, how far the two are apart on
+these inputs, that the inputs are random) and the user can pick the reference, recorded (real builds)."""
+from __future__ import annotations
+
+import pytest
+
+from tests.flows.test_build_flow import build
+from tests.tasks.test_prequant import quantized_models  # noqa: F401  (session fixture)
+
+PROFILE = "profiles:\n  - x: {min: [1, 3, 16, 16], opt: [2, 3, 16, 16], max: [8, 3, 16, 16]}\n"
+
+
+@pytest.fixture(scope="module")
+def dyn_dir(tmp_path_factory, quantized_models):  # noqa: F811
+    d = tmp_path_factory.mktemp("dyn")
+    (d / "model").mkdir()
+    (d / "model" / "dyn.yaml").write_text(f"name: dyn\nformat: onnx\nsource: {quantized_models['dynamic']}\n" + PROFILE)
+    return d
+
+
+def test_the_refusal_says_what_dequantizing_did_and_how_to_choose(prefect_harness, dyn_dir, tmp_path):
+    # a budget tighter than the float form's own distance to the shipped model: no engine of it can meet it
+    s = build(["model=dyn", "precision=fp32", "model.dequantize_dynamic=true", "accuracy.min_cosine=0.9999999",
+               "stages.benchmark=false"], dyn_dir, tmp_path / "a")
+    assert s["status"] == "failed"
+    apart = s["metrics"]["dequantized_vs_shipped_cosine_min"]
+    assert 0 < apart < 0.9999999
+    err = s["error"]
+    assert "the engine computes the float model that the dynamically quantized one approximates" in err
+    assert f"cosine {apart:.6f} to the model as shipped" in err and "random values inside the profiles" in err
+    assert "model.reference=dequantized" in err and "validation.data=" in err
+    assert "itself gives cosine" not in err  # not the shipped model's agreement with itself: beside the point here
+
+
+def test_the_user_can_pick_the_dequantized_float_form_as_the_reference(prefect_harness, dyn_dir, tmp_path):
+    s = build(["model=dyn", "precision=fp16", "model.dequantize_dynamic=true", "model.reference=dequantized",
+               "stages.benchmark=false"], dyn_dir, tmp_path / "b")
+    assert s["status"] == "ok", s.get("error")
+    assert s["stages"]["validate"]["reference"] == "its dequantized float form (model.reference=dequantized)"
+    assert s["metrics"]["cosine_min"] >= 0.99 and "dequantized_vs_shipped_cosine_min" not in s["metrics"]
+    from tests.flows.test_build_flow import mlflow_run
+    assert mlflow_run(s["mlflow"]["run_id"]).data.params["model.reference"] == "dequantized"  # the choice, recorded
+
+
+def test_the_dequantized_reference_needs_the_dequantized_build(dyn_dir, tmp_path):
+    from flows.config import compose_config, preflight
+    from tasks.errors import ConfigError
+
+    cfg = compose_config(["model=dyn", "model.reference=dequantized", f"out_dir={tmp_path}"], str(dyn_dir))
+    with pytest.raises(ConfigError, match="model.dequantize_dynamic=true"):
+        preflight(cfg, str(dyn_dir))
