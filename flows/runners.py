@@ -30,8 +30,6 @@ def candidate_runner(ctx: BuildContext, runners: contextlib.ExitStack | None = N
     cache = runtime_cache_file(ctx.cfg.cache_dir, ctx.cfg.target.name, ctx.backend.version)
 
     hybrid = bool(ctx.results["partition"].details.get("hybrid"))  # many sessions: no memory arena each
-    weight_only = not ctx.cfg.precision.quantized and \
-        bool((ctx.results["export"].details.get("prequantized") or {}).get("weight_only"))
 
     def runner_for(seg: dict):
         if seg["kind"] != "trt":
@@ -42,12 +40,11 @@ def candidate_runner(ctx: BuildContext, runners: contextlib.ExitStack | None = N
             return runners.enter_context(EngineRunner(Path(eng).read_bytes(), ctx.backend, runtime_cache=cache,
                                                       cuda_graph=cuda_graph, stage=stage,
                                                       pci_bus_id=gpu.pci_bus_id if gpu else None)).infer
-        # ORT's full optimisation fuses Q/DQ into kernels that have no float8 version; fp16 values rounded as TensorRT
-        # stores them (tasks/emulate.py: ONNX Runtime's CPU kernels would compute most fp16 ops in fp32)
-        # and it turns a weight-only DequantizeLinear -> MatMul into dynamic int8 quantization of the activations,
-        # which TensorRT's weight-only layers never do (they compute float from the int8 weights)
-        return precision_runner(onnx, "basic" if ctx.cfg.precision.name == "fp8" or weight_only else "all",
-                                arena=not hybrid)[0]
+        # fp16 values rounded as TensorRT stores them (tasks/emulate.py: ONNX Runtime's CPU kernels would compute most
+        # fp16 ops in fp32); Q/DQ as written (tasks/ort.py: a graph with Q/DQ runs at most at ONNX Runtime's basic
+        # level, never fused into integer kernels, nor a weight-only DequantizeLinear -> MatMul turned into dynamic
+        # quantization of the activations, which TensorRT's weight-only layers never do)
+        return precision_runner(onnx, arena=not hybrid)[0]
 
     outputs = [o["name"] for o in ctx.results["export"].details["outputs"]]
     return composed_runner(ctx.results["partition"].details, outputs, runner_for)

@@ -43,6 +43,7 @@ import onnx
 from onnx import numpy_helper
 
 from .errors import ConfigError
+from .exact import QLINEAR_CONTRIB, _qdq_from_qlinear, _qdq_from_qlinear_contrib  # noqa: F401 (QOperator rewrites)
 from .graph import links, opset_of, prune_unused, replace_node, unique_name
 
 QDQ = ("QuantizeLinear", "DequantizeLinear")
@@ -313,96 +314,6 @@ def _per_channel_opset(model: onnx.ModelProto) -> tuple[onnx.ModelProto, bool]:
         return version_converter.convert_version(model, 13), True
     except Exception:  # noqa: BLE001 - per tensor then
         return model, False
-
-
-def _qdq_from_qlinear(model, inits) -> int:
-    """QLinearConv / QLinearMatMul (ONNX Runtime's QOperator format) and its contrib QGemm -> DequantizeLinear on input
-    and weight, the float op (the int32 bias scaled into a float bias), QuantizeLinear on the output (QGemm without an
-    output scale: float out): the Q/DQ form TensorRT reads, same scales."""
-    g = model.graph
-    opset = opset_of(model)
-    count = 0
-    for node in [n for n in g.node if n.op_type in ("QLinearConv", "QLinearMatMul") or
-                 (n.op_type == "QGemm" and n.domain == "com.microsoft")]:
-        gemm = node.op_type == "QGemm"
-        ins = list(node.input) + [""] * 9
-        x, xs, xz, w, ws, wz = ins[:6]
-        bias_in, ys, yz = (ins[6], ins[7], ins[8]) if gemm else (ins[8], ins[6], ins[7])
-        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        w_scale = numpy_helper.to_array(inits[ws]) if ws in inits else None
-        if w_scale is None or (w_scale.size > 1 and opset < 13) or attrs.get("transA"):  # per-axis DQ needs opset 13
-            continue
-        conv = node.op_type == "QLinearConv"
-        p = node.name or node.output[0]
-        axis = {"axis": 0 if conv or (gemm and attrs.get("transB")) else 1} if w_scale.size > 1 else {}
-        nodes = [onnx.helper.make_node("DequantizeLinear", [x, xs] + ([xz] if xz else []), [f"{p}_x_dq"], name=f"{p}_x_dq"),
-                 onnx.helper.make_node("DequantizeLinear", [w, ws] + ([wz] if wz else []), [f"{p}_w_dq"], name=f"{p}_w_dq", **axis)]
-        floats = [f"{p}_x_dq", f"{p}_w_dq"]
-        if (conv or gemm) and bias_in:
-            if bias_in not in inits or xs not in inits:
-                continue
-            bias = numpy_helper.to_array(inits[bias_in]).astype(np.float32) * \
-                (numpy_helper.to_array(inits[xs]).astype(np.float32) * w_scale.astype(np.float32)).reshape(-1)
-            name = unique_name(f"{p}_bias_float", inits)
-            inits[name] = numpy_helper.from_array(bias.astype(np.float32), name)
-            g.initializer.append(inits[name])
-            floats.append(name)
-        op = "Conv" if conv else "Gemm" if gemm else "MatMul"
-        out = f"{p}_float" if ys else node.output[0]
-        nodes.append(onnx.helper.make_node(op, floats, [out], name=f"{p}_float", **attrs))
-        if ys:
-            nodes.append(onnx.helper.make_node("QuantizeLinear", [out, ys] + ([yz] if yz else []), [node.output[0]],
-                                               name=f"{p}_q"))
-        replace_node(g, node, nodes)
-        count += 1
-    return count
-
-
-# ONNX Runtime's QOperator contrib ops (com.microsoft) on activations: op -> (float op, the (x, scale, zero point)
-# input triples, the output's (scale, zero point) inputs, the attributes the float op takes). Each becomes
-# DequantizeLinear per input -> the float op -> QuantizeLinear with the same scales: the arithmetic ONNX Runtime does
-# in float, and pairs TensorRT can fuse (the rules above then apply to them).
-QLINEAR_CONTRIB = {
-    "QLinearAdd": ("Add", [(0, 1, 2), (3, 4, 5)], (6, 7), ()),
-    "QLinearMul": ("Mul", [(0, 1, 2), (3, 4, 5)], (6, 7), ()),
-    "QLinearSigmoid": ("Sigmoid", [(0, 1, 2)], (3, 4), ()),
-    "QLinearLeakyRelu": ("LeakyRelu", [(0, 1, 2)], (3, 4), ("alpha",)),
-    "QLinearGlobalAveragePool": ("GlobalAveragePool", [(0, 1, 2)], (3, 4), ()),
-    "QLinearAveragePool": ("AveragePool", [(0, 1, 2)], (3, 4),
-                           ("auto_pad", "ceil_mode", "count_include_pad", "kernel_shape", "pads", "strides")),
-}
-
-
-def _qdq_from_qlinear_contrib(g) -> int:
-    """ONNX Runtime's QLinearAdd/Mul/Sigmoid/LeakyRelu/(Global)AveragePool/Concat -> DQ -> float op -> Q (NCHW only:
-    a channels_last variant stays as it is and runs natively). Returns how many were rewritten."""
-    count = 0
-    for node in [n for n in g.node if n.domain == "com.microsoft" and (n.op_type in QLINEAR_CONTRIB or n.op_type == "QLinearConcat")]:
-        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        if attrs.get("channels_last"):
-            continue
-        ins = list(node.input)
-        if node.op_type == "QLinearConcat":  # Y_scale, Y_zero_point, then (X, X_scale, X_zero_point) per input
-            op, triples, out, keep = "Concat", [(i, i + 1, i + 2) for i in range(2, len(ins), 3)], (0, 1), ("axis",)
-        else:
-            op, triples, out, keep = QLINEAR_CONTRIB[node.op_type]
-        if any(len(ins) <= t[1] for t in triples):
-            continue
-        p = node.name or node.output[0]
-        at = ins + [""] * (max(max(t) for t in triples + [out]) + 1 - len(ins))
-        nodes, floats = [], []
-        for k, (x, sc, zp) in enumerate(triples):
-            name = f"{p}_in{k}_dq"
-            nodes.append(onnx.helper.make_node("DequantizeLinear", [at[x], at[sc]] + ([at[zp]] if at[zp] else []),
-                                               [name], name=name))
-            floats.append(name)
-        nodes.append(onnx.helper.make_node(op, floats, [f"{p}_float"], name=f"{p}_float",
-                                           **{k: v for k, v in attrs.items() if k in keep}))
-        nodes.append(onnx.helper.make_node("QuantizeLinear", [f"{p}_float", at[out[0]]] + ([at[out[1]]] if at[out[1]] else []),
-                                           [node.output[0]], name=f"{p}_q"))
-        replace_node(g, node, nodes)
-        count += 1
-    return count
 
 
 # ops that only select or move values: on a quantized tensor they commute with DequantizeLinear exactly
