@@ -14,15 +14,15 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-if __name__ == "__main__":  # the CLI: a warm build process takes the build when one is up (flows/daemon.py)
-    from flows.daemon import delegate
+if __name__ == "__main__":  # the CLI: a warm build process takes the build when one is up (flows/local/daemon.py)
+    from flows.local.daemon import delegate
 
     _status = delegate("flows.build:main", sys.argv[1:])
     if _status is not None:
         sys.exit(_status)
     if not {"-h", "--help", "-c", "--cfg"} & set(sys.argv[1:]):  # the shared local Prefect server (when none runs)
         from flows.env import env_defaults                          # starts while this process imports and checks
-        from flows.server import begin                              # its input (stopped again when no flow needs it)
+        from flows.local.server import begin                              # its input (stopped again when no flow needs it)
 
         env_defaults()
         begin()
@@ -32,7 +32,7 @@ from flows.env import env_defaults  # noqa: E402
 env_defaults()  # before Prefect and MLflow are imported
 
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
-from flows import server as prefect_server  # noqa: E402
+from flows.local import server as prefect_server  # noqa: E402
 from flows import stages, timeline  # noqa: E402
 from flows.context import CODE, TRTFORGE_VERSION, BuildContext, BuildIdentity  # noqa: E402
 from flows.lazy import NONE, flow, task  # noqa: E402  (Prefect is imported when a build has work)

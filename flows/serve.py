@@ -12,7 +12,7 @@ import sys
 import time
 
 from flows.env import env_defaults
-from flows.net import healthy
+from flows.local.net import healthy
 from flows.rebuild import settings
 
 env_defaults()
@@ -29,8 +29,8 @@ def ensure_server(port: int = 4200, timeout: float = 120.0) -> tuple[str, subpro
     if "PREFECT_API_URL" in os.environ and not url.startswith(("http://127.0.0.1", "http://localhost")):
         from tasks.errors import UnavailableError
         raise UnavailableError(f"PREFECT_API_URL={url} does not answer", fix="start that server, or unset PREFECT_API_URL")
-    from flows.prefect_api import server_command
-    from flows.server import seed_home
+    from flows.local.prefect_api import server_command
+    from flows.local.server import seed_home
 
     first = seed_home()
     proc = subprocess.Popen(server_command(port), env={**os.environ, **first},

@@ -4,7 +4,7 @@ processes (TensorRT parsing and building hold the GIL), TRTFORGE_JOBS of them (d
 Every configuration is composed and checked first (bad input: exit 2 before any work). Up-to-date builds are
 answered here. The stages the builds share (export, partition, the Q/DQ graph per precision) are computed once:
 the first build to need a cache entry computes it under the entry's lock, the others wait and reuse it. The workers
-report to one Prefect server (PREFECT_API_URL, or the machine's shared local one, flows/server.py).
+report to one Prefect server (PREFECT_API_URL, or the machine's shared local one, flows/local/server.py).
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def run_sweep(combos: list[list[str]], config_dir: str | None, report: Callable[
             work.append(ov)
     if not work:
         return code
-    from flows import daemon, server as prefect_server
+    from flows.local import daemon, server as prefect_server
 
     prefect_server.ensure()  # the workers report to the machine's shared local server (PREFECT_API_URL is inherited)
     # in a warm build process the workers are forked from it, everything imported; else spawned (fresh interpreters)

@@ -15,10 +15,10 @@ def tracking_uri() -> str:
 
 
 def seed_store(uri: str) -> None:
-    """A new SQLite tracking store starts from the migrated template database when there is one (flows/templates.py):
+    """A new SQLite tracking store starts from the migrated template database when there is one (flows/local/templates.py):
     MLflow then skips its table creation and migrations."""
     if uri.startswith("sqlite:///"):
-        from flows.templates import seed
+        from flows.local.templates import seed
 
         seed(Path(uri[len("sqlite:///"):]), "mlflow")
 
@@ -47,7 +47,7 @@ def use_experiment(name: str) -> str:
     """Point MLflow at the tracking store and the experiment `name`, creating it when missing; returns the URI."""
     import mlflow
 
-    from flows.locks import named_lock
+    from flows.local.locks import named_lock
 
     _quiet()
     uri = tracking_uri()
@@ -83,7 +83,7 @@ def warm(prefect: bool = False) -> None:
                 import prefect.flow_engine  # noqa: F401
                 import prefect.task_engine  # noqa: F401
                 timeline.mark("warm: prefect imported")
-            from flows.locks import named_lock
+            from flows.local.locks import named_lock
 
             uri = tracking_uri()
             if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():

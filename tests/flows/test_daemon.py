@@ -1,4 +1,4 @@
-"""The warm build process (flows/daemon.py): after a first CLI build, later ones are served by a process that has
+"""The warm build process (flows/local/daemon.py): after a first CLI build, later ones are served by a process that has
 everything imported; exit codes, messages and output reach the caller as before, Ctrl-C reaches the build, and a
 killed CLI takes its build (and what the build started) with it. Real CLI processes, real builds."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from flows.daemon import identity, socket_path
-from flows.server import pid_alive
+from flows.local.daemon import identity, socket_path
+from flows.local.server import pid_alive
 
 
 @pytest.fixture(scope="module")

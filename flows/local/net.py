@@ -1,4 +1,4 @@
-"""Local network primitives shared by the Prefect server helpers (flows/server.py, flows/serve.py, flows/templates.py):
+"""Local network primitives shared by the Prefect server helpers (flows/local/server.py, flows/serve.py, flows/local/templates.py):
 whether an API answers its health check, and a free port on 127.0.0.1. Standard library only."""
 from __future__ import annotations
 

@@ -3,10 +3,10 @@
 Without PREFECT_API_URL, Prefect 3 starts a temporary API server in a subprocess for every process that runs a flow:
 about 4-7 s each time (13 s on a new database), which dominated every small build, sweep entry and scheduled rebuild.
 Here the first build starts `prefect server start` on a free port of 127.0.0.1, detached, under a watchdog
-(`python -m flows.server serve`), records it in `$PREFECT_HOME/trtforge-server.json`, and every later build finds it
+(`python -m flows.local.server serve`), records it in `$PREFECT_HOME/trtforge-server.json`, and every later build finds it
 there and only checks its health (milliseconds). The start is begun early (begin(): the CLI's first step, before its
 imports, config and preflight) and waited for only when the flow begins (ensure()); a new Prefect home starts from a
-migrated template database (flows/templates.py). Each build holds a lease (a file named after its pid) while it runs;
+migrated template database (flows/local/templates.py). Each build holds a lease (a file named after its pid) while it runs;
 the watchdog stops the server once no live build has held a lease for TRTFORGE_SERVER_IDLE seconds (default 600). A
 killed build's lease dies with its pid, so nothing outlives builds for long.
 
@@ -25,9 +25,9 @@ import urllib.request
 from pathlib import Path
 from typing import Iterator
 
-from flows.locks import named_lock, pid_alive
-from flows.net import free_port, healthy  # noqa: F401  (healthy: also for callers of this module)
-from flows.prefect_api import server_command
+from flows.local.locks import named_lock, pid_alive
+from flows.local.net import free_port, healthy  # noqa: F401  (healthy: also for callers of this module)
+from flows.local.prefect_api import server_command
 
 IDLE_SECONDS = float(os.environ.get("TRTFORGE_SERVER_IDLE", "600"))
 STARTUP_SECONDS = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90"))
@@ -180,11 +180,11 @@ def _first_write(url: str, seconds: float = 5.0) -> None:
 
 
 def seed_home() -> dict[str, str]:
-    """A new Prefect home's database starts from the migrated template when there is one (flows/templates.py): its
+    """A new Prefect home's database starts from the migrated template when there is one (flows/local/templates.py): its
     server then starts in about 3.5 s instead of 9. Not when the user names another database. Returns the settings
     for the server's first start on it: the template is this Prefect release's schema with its block types registered,
     so that start skips both checks (later starts make them as usual)."""
-    from flows.templates import seed
+    from flows.local.templates import seed
 
     if any(os.environ.get(k) for k in ("PREFECT_API_DATABASE_CONNECTION_URL", "PREFECT_SERVER_DATABASE_CONNECTION_URL")):
         return {}
@@ -196,15 +196,15 @@ def seed_home() -> dict[str, str]:
 
 def spawn() -> dict:
     """Start the watchdog (which starts the server) detached from this process, and record it; nothing waits.
-    A new Prefect home starts from the migrated template database when there is one (flows/templates.py)."""
+    A new Prefect home starts from the migrated template database when there is one (flows/local/templates.py)."""
     home().mkdir(parents=True, exist_ok=True)
     first = seed_home()
     port = free_port()
     url = f"http://127.0.0.1:{port}/api"
     log = open(home() / "trtforge-server.log", "ab")
-    watchdog = subprocess.Popen([sys.executable, "-m", "flows.server", "serve", str(port)], stdout=log,
+    watchdog = subprocess.Popen([sys.executable, "-m", "flows.local.server", "serve", str(port)], stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                cwd=str(Path(__file__).resolve().parents[1]), env={**os.environ, "PREFECT_API_URL": "", **first})
+                                cwd=str(Path(__file__).resolve().parents[2]), env={**os.environ, "PREFECT_API_URL": "", **first})
     log.close()
     st = {"pid": watchdog.pid, "url": url, "port": port, "started": time.time()}
     tmp = state_file().with_suffix(f".{os.getpid()}.tmp")
@@ -312,5 +312,5 @@ if __name__ == "__main__":
     if len(sys.argv) >= 2 and sys.argv[1] == "stop":
         print("stopped" if shutdown() else "no server was running")
         sys.exit(0)
-    print("usage: python -m flows.server serve PORT | stop", file=sys.stderr)
+    print("usage: python -m flows.local.server serve PORT | stop", file=sys.stderr)
     sys.exit(2)

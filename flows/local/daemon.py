@@ -2,8 +2,8 @@
 ONNX Runtime and TensorRT again (seconds of imports per call, the fixed cost that dwarfed small builds).
 
 Like Gradle's daemon or a zygote: the first CLI build of a session runs in its own process and, once done, starts
-`python -m flows.daemon serve` detached; the daemon imports everything once, with Prefect pointed at the machine's
-shared local server (flows/server.py), and waits on a Unix socket. A later CLI call sends its arguments, working
+`python -m flows.local.daemon serve` detached; the daemon imports everything once, with Prefect pointed at the machine's
+shared local server (flows/local/server.py), and waits on a Unix socket. A later CLI call sends its arguments, working
 directory, environment, start time and its stdin/stdout/stderr file descriptors; the daemon forks, and the child
 runs exactly what the CLI would have run, writing straight to the caller's terminal, then reports the exit status.
 The CLI forwards Ctrl-C and termination signals to the child; when the CLI dies (even by SIGKILL) the child and
@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 IDLE_SECONDS = float(os.environ.get("TRTFORGE_DAEMON_IDLE", "600"))
 # what does not change a build: the caller's shell, terminal and working directory (sent with every request)
 VOLATILE = ("PWD", "OLDPWD", "SHLVL", "_", "COLUMNS", "LINES", "TERM", "COLORTERM", "TERM_PROGRAM",
@@ -50,9 +50,9 @@ def identity(env: dict[str, str] | None = None) -> str:
     env = dict(os.environ if env is None else env)
     h = hashlib.sha256(sys.executable.encode())
     for d in ("flows", "tasks"):
-        for f in sorted((ROOT / d).glob("*.py")):
+        for f in sorted((ROOT / d).rglob("*.py")):
             st = f.stat()
-            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+            h.update(f"{f.relative_to(ROOT)}:{st.st_size}:{st.st_mtime_ns}".encode())
     for p in sys.path:
         if p.endswith("site-packages") and os.path.isdir(p):
             h.update(f"{p}:{os.stat(p).st_mtime_ns}".encode())
@@ -153,13 +153,13 @@ def spawn(ident: str) -> None:
     """Start a warm process for this identity, detached; nothing waits for it."""
     path = socket_path(ident)
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    from flows import server
+    from flows.local import server
 
     env = dict(os.environ)
     if server.pointed():  # this build's own pointer at the shared server, not the user's: the warm process finds
         env.pop("PREFECT_API_URL", None)  # (or starts) the server itself and holds a lease on it while it lives
     log = open(path.with_suffix(".log"), "ab")
-    subprocess.Popen([sys.executable, "-m", "flows.daemon", "serve", ident], stdin=subprocess.DEVNULL, stdout=log,
+    subprocess.Popen([sys.executable, "-m", "flows.local.daemon", "serve", ident], stdin=subprocess.DEVNULL, stdout=log,
                      stderr=subprocess.STDOUT, start_new_session=True, cwd=str(ROOT), env=env)
     log.close()
 
@@ -188,7 +188,7 @@ def warm_up() -> str | None:
     from flows.env import env_defaults
 
     env_defaults()
-    from flows import server
+    from flows.local import server
 
     url = server.ensure()  # also this process's lease: the server stays up while builds can come
     import importlib
@@ -197,9 +197,10 @@ def warm_up() -> str | None:
 
     matplotlib.use("Agg")
     for d in ("flows", "tasks"):  # every stage and flow module (a build imports them lazily)
-        for f in sorted((ROOT / d).glob("*.py")):
-            if f.stem not in ("__init__", "daemon"):
-                importlib.import_module(f"{d}.{f.stem}")
+        for f in sorted((ROOT / d).rglob("*.py")):
+            name = ".".join(f.relative_to(ROOT).with_suffix("").parts)
+            if f.stem != "__init__" and name != __name__ and name != "flows.local.daemon":
+                importlib.import_module(name)
     for name in WARM_MODULES:
         try:
             importlib.import_module(name)
@@ -336,7 +337,7 @@ def _still_mine(path: Path, inode: int) -> bool:
 
 
 def _healthy(url: str) -> bool:
-    from flows import server
+    from flows.local import server
 
     return server.healthy(url, timeout=2.0)
 
@@ -451,5 +452,5 @@ if __name__ == "__main__":
     if len(sys.argv) == 2 and sys.argv[1] == "stop":
         print(f"stopped {stop_all()} warm build process(es)")
         sys.exit(0)
-    print("usage: python -m flows.daemon serve IDENTITY | stop", file=sys.stderr)
+    print("usage: python -m flows.local.daemon serve IDENTITY | stop", file=sys.stderr)
     sys.exit(2)
