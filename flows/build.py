@@ -14,10 +14,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-if __name__ == "__main__":  # the CLI: a warm build process takes the build when one is up (flows/local/daemon.py)
-    from flows.local.daemon import delegate
+if __name__ == "__main__":  # the CLI: with TRTFORGE_DAEMON=1 a warm build process takes the build when one is up
+    from flows.local.daemon import delegate  # (flows/local/daemon.py)
 
-    _status = delegate("flows.build:main", sys.argv[1:])
+    _status = delegate(sys.argv[1:])
     if _status is not None:
         sys.exit(_status)
     if not {"-h", "--help", "-c", "--cfg"} & set(sys.argv[1:]):  # the shared local Prefect server (when none runs)
@@ -202,7 +202,7 @@ def run_build(cfg: DictConfig, config_dir: str | None = None, show_progress: boo
                                    cache=StageCache(cfg.cache_dir), show_progress=show_progress, on_stage=on_stage)
                 timeline.mark("preflight done")
                 name = f"{cfg.model.name}-{cfg.target.name}-{cfg.precision.name}"
-                prefect_server.ensure()  # the machine's shared local Prefect server answers (waits for its start)
+                prefect_server.ensure()  # the user's shared local Prefect server answers (waits for its start)
                 timeline.mark("prefect server answers")
                 with prefect_server.lease(), prefect_server.without_heartbeats():
                     summary = build_flow(ctx, run_name=name)
@@ -291,7 +291,13 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
     return code
 
 
-if __name__ == "__main__":
-    from flows.cli import exit_now
+def cli(argv: list[str], started: float | None = None):
+    """The CLI as its process runs it, in its own process or forked from a warm one (flows/local/daemon.py): the same
+    output, exit status, SystemExit message and death by signal either way (flows/cli.py finish). Never returns."""
+    from flows.cli import finish
 
-    exit_now(main())
+    finish(lambda: main(argv, started=started))
+
+
+if __name__ == "__main__":
+    cli(sys.argv[1:])

@@ -33,6 +33,10 @@ IDLE_SECONDS = float(os.environ.get("TRTFORGE_SERVER_IDLE", "600"))
 STARTUP_SECONDS = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90"))
 
 
+# what begin() sets in a build's environment to point it at the shared server (not the user's own settings)
+POINTER_VARIABLES = ("PREFECT_API_URL",)
+
+
 def home() -> Path:
     return Path(os.environ.get("PREFECT_HOME") or Path.home() / ".prefect").expanduser()
 
@@ -121,6 +125,11 @@ def ensure() -> str | None:
     global _used
     _used = True
     return _mine["url"]
+
+
+def release_lease() -> None:
+    """This process no longer uses the shared server (a warm build process going idle: its builds take their own)."""
+    (lease_dir() / str(os.getpid())).unlink(missing_ok=True)
 
 
 def release_unused() -> None:
