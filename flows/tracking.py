@@ -163,13 +163,24 @@ def _sqlite_run(db: Path, run_id: str) -> dict | None:
     return {"status": row[0], "start_time": row[1], "deleted": row[2] != "active", "tags": tags}
 
 
+def _rest_auth() -> dict[str, str]:
+    """The credentials MLflow's own client sends to a tracking server (its basic-auth app, or a token)."""
+    import base64
+
+    user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
+    if user and password:
+        return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+    token = os.environ.get("MLFLOW_TRACKING_TOKEN")
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
 def _rest_run(uri: str, run_id: str) -> dict | None:
     import urllib.parse
     import urllib.request
 
     url = f"{uri.rstrip('/')}/api/2.0/mlflow/runs/get?{urllib.parse.urlencode({'run_id': run_id})}"
     try:
-        with urllib.request.urlopen(url, timeout=10) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=_rest_auth()), timeout=10) as r:
             run = json.loads(r.read())["run"]
     except (OSError, ValueError, KeyError):
         return None

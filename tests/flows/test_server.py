@@ -27,13 +27,13 @@ def cli(tmp: Path, conf: Path, *extra: str, env_extra: dict | None = None, wait:
 
 
 def server_processes(port: int) -> list[int]:
-    """The processes serving Prefect's API on that port: `python -m flows.local.prefect_api PORT` (how trtforge starts it),
+    """The processes serving Prefect's API on that port: `python -m flows.local.prefect_api PORT [FD]` (how trtforge starts it),
     or a `prefect server start --port PORT`."""
     out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
     pids = []
     for line in out.splitlines():
         pid, *args = line.split()
-        ours = "flows.local.prefect_api" in args and args[-1] == str(port)
+        ours = "flows.local.prefect_api" in args and args[args.index("flows.local.prefect_api") + 1:][:1] == [str(port)]
         if ours or ("prefect" in line and "server" in args and f"--port {port}" in line):
             pids.append(int(pid))
     return pids
@@ -46,6 +46,11 @@ def test_builds_share_one_local_server_and_a_killed_build_leaves_nothing_running
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     state = json.loads((tmp_path / "prefect" / "trtforge-server.json").read_text())
     assert healthy(state["url"])
+    from flows.local.net import status
+    from flows.local.server import auth_string
+
+    assert status(state["url"], "/admin/version", None) == 401  # the user's own: closed without the secret
+    assert status(state["url"], "/admin/version", auth_string()) == 200
     assert server_processes(state["port"]), "the leak check below cannot see the running server"
     second = cli(tmp_path, user_config_dir, "precision=fp16", env_extra=idle)
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
