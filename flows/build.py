@@ -41,7 +41,7 @@ from flows.cache import (StageCache, build_key, new_result_dir, named_lock, publ
 from flows.cli import expand_overrides, parse_args, print_stage, print_summary  # noqa: E402
 from flows.config import compose_config, flat_params, preflight  # noqa: E402
 from flows.sweep import jobs, run_sweep  # noqa: E402
-from flows.tracking import end_run, run_matches, warm  # noqa: E402
+from flows.tracking import end_run, run_matches, warm, warmed  # noqa: E402
 from tasks.errors import TrtforgeError, cause  # noqa: E402
 from tasks.report import write_report  # noqa: E402
 from tasks.util import write_json  # noqa: E402
@@ -204,6 +204,7 @@ def run_build(cfg: DictConfig, config_dir: str | None = None, show_progress: boo
                 name = f"{cfg.model.name}-{cfg.target.name}-{cfg.precision.name}"
                 prefect_server.ensure()  # the user's shared local Prefect server answers (waits for its start)
                 timeline.mark("prefect server answers")
+                warmed()  # the background imports are done: Prefect and MLflow are imported by one thread at a time
                 with prefect_server.lease(), prefect_server.without_heartbeats():
                     summary = build_flow(ctx, run_name=name)
                 if summary is None:  # bad input found by a stage: nothing published or tracked

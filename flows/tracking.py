@@ -104,8 +104,21 @@ def warm(prefect: bool = False) -> None:
             if collecting:
                 gc.enable()
 
+    global _warming
     with_prefect = prefect
-    threading.Thread(target=work, name="trtforge-warm", daemon=True).start()
+    _warming = threading.Thread(target=work, name="trtforge-warm", daemon=True)
+    _warming.start()
+
+
+_warming = None  # the thread warm() started
+
+
+def warmed() -> None:
+    """Wait for warm()'s imports before this thread imports from the same libraries: two threads importing one
+    package at once see it partially initialized ("cannot import name 'SettingsContext' from partially initialized
+    module 'prefect.context'", seen opening builds' output)."""
+    if _warming is not None:
+        _warming.join()
 
 
 def _quiet() -> None:
