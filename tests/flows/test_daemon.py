@@ -272,3 +272,28 @@ def test_the_warm_process_counts_native_threads_not_only_pythons():
                          env={**os.environ, "OPENBLAS_NUM_THREADS": "1"}).stdout.split()
     before, after, python = map(int, out)
     assert python == 1 and after > before, out
+
+
+@pytest.mark.slow
+def test_a_stalled_client_does_not_hold_up_the_next_build_and_an_idle_warm_process_holds_no_lease(warm):
+    """A connection that never sends its request is dropped after a few seconds while later builds are served; the
+    warm process between builds holds no lease on the Prefect server (its idle timer runs)."""
+    import socket as sockets
+
+    tmp, _, env, sock = warm
+    pid = int(sock.with_suffix(".pid").read_text())
+    stalled = sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM)
+    stalled.connect(str(sock))
+    try:
+        n = log_lines(sock)
+        t0 = time.monotonic()
+        r = cli(warm, "precision=fp32")  # up to date: a quick one
+        assert r.returncode == 0 and "up to date" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+        assert len(served(sock, n)) == 1 and time.monotonic() - t0 < 60
+        stalled.settimeout(30)
+        assert stalled.recv(10) == b""  # dropped, never answered
+    finally:
+        stalled.close()
+    home = Path(env.get("PREFECT_HOME") or Path.home() / ".prefect")
+    assert not (home / "trtforge-leases" / str(pid)).exists()
+    assert pid_alive(pid)
