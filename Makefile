@@ -16,7 +16,7 @@ export MLFLOW_DISABLE_TELEMETRY ?= true
 export DO_NOT_TRACK ?= true
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
-.PHONY: build test ui browser rebuild serve setup paddle clean zoo
+.PHONY: build test ui browser qemu rebuild serve setup paddle clean zoo
 
 # Paddle inference models (format: paddle) need the converters: paddlepaddle 3.2.2 with paddle2onnx 2.1.0 for Paddle 3
 # `.json` programs, paddle2onnx 1.3.1 (no paddle needed) for legacy `.pdmodel`. Both paddle2onnx releases pin an older
@@ -73,6 +73,14 @@ browser:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends \
 	    chromium chromium-driver fonts-dejavu-core; fi
+
+# QEMU's user-mode emulator from Debian's packages: the test that int8 figures are the same on an AVX2-only and an
+# SSE4-only CPU runs the scoring under it (tests.tasks.test_exact.py), whatever CPU this host has.
+qemu:
+	@if command -v qemu-x86_64 >/dev/null; then echo "qemu: $$(command -v qemu-x86_64)"; else \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends \
+	    qemu-user; fi
 
 clean:
 	@test -x $(PY) && $(PY) -m flows.local.daemon stop || true

@@ -215,13 +215,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--size", type=int, default=640)
+    ap.add_argument("--held", type=int, default=2, help="held-out pages judging the search and the cosines")
     ap.add_argument("--quick", action="store_true", help="skip ORT's 2048-bin entropy (about 90 s), the budget search "
                     "and ModelOpt's fp16 run")
     ap.add_argument("--no-modelopt", action="store_true", help="skip the ranges vs ModelOpt table")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     feeds = [{"x": preprocess([render_text_image(args.size, args.size, rng)], RECIPE)} for _ in range(args.samples)]
-    held = [{"x": preprocess([render_text_image(args.size, args.size, rng)], RECIPE)} for _ in range(2)]
+    held = [{"x": preprocess([render_text_image(args.size, args.size, rng)], RECIPE)} for _ in range(args.held)]
     with tempfile.TemporaryDirectory(prefix="trtforge-bench-cal-") as tmp:
         tmp = Path(tmp)
         fp32 = onnx_from_model({"format": "onnx", "source": DET}, [], tmp / "det.onnx").files["onnx"]
@@ -250,8 +251,10 @@ def main() -> int:
                               workdir=tmp / "work_budget")
             choice = r.details["range_choice"]
             search = (time.perf_counter() - t0, r.metrics["quantized_layers"], r.metrics["search_cosine_worst_feed"],
-                      {m: list(choice.values()).count(m) for m in sorted(set(choice.values()))}, r.files["onnx"])
-        print(f"PP-OCRv4 det, {args.samples} text-image samples at 1x3x{args.size}x{args.size}, 2 held-out for cosine, "
+                      {m: list(choice.values()).count(m) for m in sorted(set(choice.values()))}, r.files["onnx"],
+                      r.metrics["quantized_layers"] + r.metrics["fallback_layers"], r.metrics["search_runs"],
+                      {k: round(v, 1) for k, v in r.details["search_timing"].items()}, r.metrics["calibration_seconds"])
+        print(f"PP-OCRv4 det, {args.samples} text-image samples at 1x3x{args.size}x{args.size}, {args.held} held-out for cosine, "
               f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
         print(f"{'what':<70} {'trtforge s':>10} {'raw s':>8} {'ratio':>6} {'cos ours':>9} {'cos raw':>8}")
         for what, ours, raw, c1, c2 in rows:
@@ -259,8 +262,9 @@ def main() -> int:
                      f"{c1:>9.4f}" if c1 is not None else f"{'':>9}", f"{c2:>8.4f}" if c2 is not None else f"{'':>8}"]
             print(f"{what:<70} " + " ".join(cells))
         if search:
-            print(f"accuracy budget 0.99, default ranges (entropy, percentile/amax where that loses less; sensitivity "
-                  f"ranking + search, no raw equivalent): {search[0]:.1f} s total, {search[1]}/62 layers int8, cosine "
+            print(f"accuracy budget 0.99, default ranges (entropy, percentile/amax where that loses less locally; restore "
+                  f"search, no raw equivalent): {search[0]:.1f} s total (ranges {search[8]:.1f} s, then {search[7]}; "
+                  f"{search[6]} whole-model runs of one sample), {search[1]}/{search[5]} layers int8, cosine "
                   f"{search[2]:.4f}, ranges switched {search[3] or 'none'}")
         print("trtforge's time includes preparing the graph (opset 13, constant folding) and its accuracy check; "
               "ORT's default entropy (128 bins) has one candidate range, i.e. it is min/max.")

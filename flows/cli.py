@@ -117,8 +117,9 @@ def accuracy_source(summary: dict) -> str:
     """What the accuracy number measured, in words: ONNX Runtime's emulation of the precision, or the engine."""
     m, v = summary["metrics"], summary["stages"].get("validate", {})
     src = m.get("cosine_source", "")
+    exact = " (Q/DQ computed as written: the same on any x86-64 CPU)" if "Q/DQ computed as written" in src else ""
     text = f"the engine on {src[len('engine on '):]}" if src.startswith("engine on ") else \
-        f"ONNX Runtime emulation of {summary['precision']} on this host, not the engine"
+        f"ONNX Runtime emulation of {summary['precision']}{exact} on this host, not the engine"
     if v.get("cached_from"):
         text += f"; {origin_text(v['cached_from'])}"
     return text

@@ -170,13 +170,14 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
     if prequantized(ctx):
         from tasks.prequant import describe
         raise Skip(f"the model is already quantized ({describe(prequantized(ctx))})")
-    from tasks.calibrate import qdq_for_segments
+    from tasks.calibrate import low_share_warning, qdq_for_segments
     from tasks.search import search_target
     from tasks.segments import segment_feeds
 
     cal, held = ctx.data.calibration, ctx.data.search
     segs, plan, model = trt_segments(ctx), ctx.results["partition"].details, ctx.results["export"].files["onnx"]
-    target = search_target(ctx.cfg.accuracy.min_cosine, c.budget_margin) if c.search else None
+    # the margin grows when few held-out samples judge the search (none held out: the calibration samples judge)
+    target = search_target(ctx.cfg.accuracy.min_cosine, c.budget_margin, (held or cal).samples) if c.search else None
     q_parts = {"segments": [sha256_file(s["onnx"]) for s in segs], "calibration": cal.key,
                "search": held.key if held else None, "method": c.method, "precision": p.name, "min_cosine": target,
                "fp16_data_max": ctx.cfg.build.fp16_data_max}
@@ -201,6 +202,9 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
              **{k: v for k, v in q.files.items() if k.startswith("sensitivity")}}
     details = {"engines": [{**x, "onnx": q.files[f"qdq{x['segment']}"].name} for x in e.details["engines"]],
                "quantization": q.details}
+    note = low_share_warning(q.details["segments"], p.name)
+    if note:
+        ctx.warn("calibrate", note)
     return StageResult(files=files, metrics={**q.metrics, **e.metrics}, details=details)
 
 
@@ -216,6 +220,8 @@ def engines_for(ctx: BuildContext, segs: list[dict], graphs: dict[int, Path], la
 
 def validate(ctx: BuildContext) -> StageResult:
     from tasks.datasets import describe_thin
+    from tasks.calibrate import search_fix
+    from tasks.emulate import emulation_label
     from tasks.prequant import accuracy_fix
     from tasks.validate import gate, validate_onnx
 
@@ -240,7 +246,9 @@ def validate(ctx: BuildContext) -> StageResult:
              "min_cosine": ctx.cfg.accuracy.min_cosine, "precision": ctx.cfg.precision.name,  # in the result's labels
              "engines": [sha256_file(e) for _, e, _ in candidates] if engine_reason is None else None}
     label = f"{ctx.cfg.model.name} at {ctx.cfg.precision.name}"
-    fix = accuracy_fix(prequantized(ctx) or {}, None, ctx.cfg.accuracy.min_cosine)
+    cal = ctx.results.get("calibrate")
+    fix = accuracy_fix(prequantized(ctx) or {}) if prequantized(ctx) or cal is None else \
+        search_fix(cal.metrics, val.samples, ctx.cfg.calibration.budget_margin)
 
     def work(d: Path) -> StageResult:
         with contextlib.ExitStack() as runners:
@@ -249,9 +257,9 @@ def validate(ctx: BuildContext) -> StageResult:
                 return validate_onnx(reference, candidate_runner(ctx), val.feeds, ctx.cfg.accuracy.min_cosine,
                                      val.source, d / "validation.json", engine=engine, engine_skip_reason=engine_reason,
                                      label=label, reference_label=reference_label, identical=identical,
-                                     emulation=f"onnxruntime emulation of {ctx.cfg.precision.name}",
+                                     emulation=emulation_label(ctx.cfg.precision.name),
                                      engine_device=gpu and f"engine on {gpu.name} (sm {gpu.compute_capability})",
-                                     reference_spread="reference" in ref.files, evidence=evidence, fix=fix)
+                                     evidence=evidence, fix=fix)
             except TrtforgeError as e:  # the failed verdict is a result too: cached, gated below
                 if getattr(e, "result", None) is None:
                     raise
@@ -262,8 +270,7 @@ def validate(ctx: BuildContext) -> StageResult:
         ctx.warn("validate", r.details["warnings"][0])
     for w in r.details.get("evidence", []):
         ctx.warn("validate", w)
-    spread = r.details.get("reference_spread", {}).get("cosine_min")
-    gate(r, label=label, fix=accuracy_fix(prequantized(ctx) or {}, spread, ctx.cfg.accuracy.min_cosine))
+    gate(r, label=label, fix=fix)
     return r
 
 

@@ -28,13 +28,16 @@ from .ort import ort_runner, quiet_python_logging
 from .precision import DATA_MAX, fp16_hazards_from_data
 from .qdq import PRECISIONS, QUANT_OPS, Quantizer
 from .ranges import DEFAULT_METHOD, METHODS, alternative_ranges, ranges_from_feeds, save_ranges
-from .search import budget_search
+from .search import restore_search
+from .sensitivity import Switchable, local_errors
 from .util import StageResult
 
 STAGE = "calibrate"
 HIGH_PRECISIONS = ("fp16", "fp32")
 MIN_OPSET = 19  # float16 Q/DQ scales (the fp16 remainder) and float8 need opset 19
-RETRY_LOSS = 0.05  # a layer losing more than this share of the allowed error alone gets the other ranges tried
+RANK_FEEDS = 4  # calibration samples the local errors (range choice, report) are measured on
+FP16_RETRIES = 2  # searches again with a higher goal when the written graph (fp16 remainder) misses the target
+HARM_FEEDS = 1  # calibration samples each layer's restore gain (the search's ranking) is measured on
 
 Feed = dict[str, np.ndarray]
 
@@ -107,6 +110,7 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
 
         cos_all = score_with(q, layers)
         chosen, cos_chosen, cos_none, sensitivity, range_choice = list(layers), cos_all, None, [], {}
+        search_runs, timing = 0, {}
         if min_cosine is not None and cos_all is None:
             raise UnavailableError(
                 f"{precision} Q/DQ graphs cannot be run by ONNX Runtime on this host ({q.run_error}), so the "
@@ -120,25 +124,53 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
                     f"min_cosine={min_cosine:.6g}", stage=STAGE, file=str(fp32_path),
                     fix="lower accuracy.min_cosine, or quantize with the rest of the graph in fp32")
             flops = onnx_flops(q.base, {n: list(a.shape) for n, a in eval_feeds[0].items()}, layers)
-            alone = {n: score([n]) for n in layers}
-            if choose:
-                ranges, alone, range_choice = _choose_ranges(q, alone, score_with, cos_none, float(min_cosine))
-                if range_choice:
-                    q = q.with_ranges(ranges)
-                    cos_all = score(layers)
-                    save_ranges(q.ranges, cache)
-            found = budget_search(layers, score, float(min_cosine), cos_none, alone, flops, q.ops)
-            chosen, cos_chosen, sensitivity = found.chosen, found.score, found.ranking
+            rank_feeds = list(feeds[:RANK_FEEDS])  # layers are ranked on calibration samples, judged on held-out ones
+            local, range_choice = {}, {}
+            clock = time.perf_counter()
+            if choose:  # each tensor's range by the error it causes in the layer that reads it (local, cheap)
+                q, local, range_choice = _ranges_by_local_error(q, prepared, rank_feeds)
+                timing["ranges_chosen"] = time.perf_counter() - clock
+                cos_all = None  # measured again below, with the ranges chosen
+                save_ranges(q.ranges, cache)
+            scorer = Switchable(q, eval_feeds, ref)  # one session: any subset scored by feeding flags
+            cos_all, goal = min(scorer.cosines(layers)), float(min_cosine)
+            if cos_all >= min_cosine:  # the ranges chosen suffice: every layer int8
+                chosen, harm = list(layers), {n: min(e.values()) for n, e in local.items()}
+                sensitivity = [{"node": n, "op": q.ops.get(n), "flops": flops.get(n)} for n in layers]
+            else:  # restore layers to the high precision, most harmful per FLOP first, judged on held-out samples
+                rank_refs = [run_fp32(f) for f in rank_feeds[:HARM_FEEDS]]
+                base = min(scorer.cosines(layers, rank_feeds[:HARM_FEEDS], rank_refs))
+                harm = {n: min(scorer.cosines([m for m in layers if m != n], rank_feeds[:HARM_FEEDS], rank_refs)) - base
+                        for n in layers}  # the gain of restoring each layer alone in the all-int8 graph
+                timing["ranking"] = time.perf_counter() - clock - sum(timing.values())
+                chosen, _ = restore_search(layers, lambda names: scorer.meets(names, goal), harm, flops)
+                sensitivity = [{"node": n, "op": q.ops.get(n), "flops": flops.get(n), "restore_gain": harm[n]}
+                               for n in layers]
+            timing["search"] = time.perf_counter() - clock - sum(timing.values())
+            cos_chosen = score(chosen) if chosen else cos_none  # the graph that is written (its remainder fp16)
+            for _ in range(FP16_RETRIES):  # the fp16 remainder on top of the int8 error: search again, aiming higher
+                if not chosen or cos_chosen >= min_cosine:
+                    break
+                gap = min(scorer.cosines(chosen)) - cos_chosen  # what the fp16 remainder costs this choice
+                goal = min(1.0, max(goal, float(min_cosine) + 1.5 * max(gap, 0.0)) + (min_cosine - cos_chosen))
+                chosen, _ = restore_search(layers, lambda names: scorer.meets(names, goal), harm, flops)
+                cos_chosen = score(chosen) if chosen else cos_none
+            if chosen and cos_chosen < min_cosine:
+                chosen, cos_chosen = [], cos_none
+            search_runs = scorer.runs
+            timing["written_graph"] = time.perf_counter() - clock - sum(timing.values())
             for row in sensitivity:
+                row["local_errors"] = local.get(row["node"])  # per range method: the layer's own output error
+                row["local_error"] = (local[row["node"]][range_choice.get(row["node"], method)]
+                                      if row["node"] in local else None)
+                row["quantized"] = row["node"] in set(chosen)
                 row["range"] = range_choice.get(row["node"], method) if choose else method
             if not chosen:
-                best = max(sensitivity, key=lambda s: s["cosine_alone"])
                 raise AccuracyError(
                     f"no layer can be quantized to {precision} within the search's target cosine {min_cosine:.6g} "
-                    f"(accuracy.min_cosine plus calibration.budget_margin of the allowed error): every "
-                    f"{'/'.join(QUANT_OPS)} layer quantized alone breaks it (the least sensitive, {best['node']}, gives "
-                    f"{best['cosine_alone']:.6f}; all {len(layers)} together {cos_all:.6f}; worst of "
-                    f"{len(eval_feeds)} held-out feeds)", stage=STAGE, file=str(fp32_path),
+                    f"(accuracy.min_cosine plus calibration.budget_margin of the allowed error): all {len(layers)} "
+                    f"{'/'.join(QUANT_OPS)} layers together give {cos_all:.6f}, and no part of them that the search "
+                    f"tried meets it (worst of {len(eval_feeds)} held-out feeds)", stage=STAGE, file=str(fp32_path),
                     fix="lower accuracy.min_cosine, calibrate on more representative samples, try another "
                         "calibration method, or build this model at fp16")
         q.write(chosen, out_path)
@@ -152,6 +184,7 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
         metrics = {"quantized_layers": len(chosen), "fallback_layers": len(fallback),
                    "calibration_samples": sum(batch_size(f) for f in feeds), "search_samples": sum(batch_size(f) for f in eval_feeds),
                    "calibration_seconds": calibration_seconds, "search_seconds": search_seconds,
+                   "search_runs": search_runs,
                    "calibrate_seconds": time.perf_counter() - t0}
         if cos_chosen is not None:  # measured (never a stand-in when ONNX Runtime cannot run the graph)
             metrics["search_cosine_worst_feed"] = cos_chosen
@@ -168,6 +201,7 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
                 "high_precision": high_precision,
                 "min_cosine": min_cosine,
                 "search_feeds": len(eval_feeds),
+                "search_timing": timing,  # seconds: ranges chosen by local error, ranking, search, written graph
                 "search_set": "held-out samples" if held_out else "the calibration samples themselves (none held out)",
                 "cosine_measurable": cos_all is not None,
                 "cosine_high_precision": cos_none,  # the graph without Q/DQ (measured when the budget searched)
@@ -217,6 +251,40 @@ def qdq_for_segments(segments: list[dict], feeds_for: Callable[[int], list[Feed]
     return StageResult(files=files, metrics=metrics, details={"segments": details})
 
 
+LOW_SHARE = 0.5  # below this share of layer FLOPs quantized, int8 is unlikely to beat fp16 (reformats between them)
+
+
+def low_share_warning(segments: list[dict], precision: str) -> str | None:
+    """A warning when the search kept most of the layer FLOPs out of ``precision``, naming the layers that hold it back
+    (the most FLOPs kept in high precision, with what restoring each alone gained); None otherwise."""
+    rows = [r for s in segments for r in s.get("sensitivity", []) if r.get("flops")]
+    total = sum(r["flops"] for r in rows)
+    if not total or not any("quantized" in r for r in rows):
+        return None
+    share = sum(r["flops"] for r in rows if r.get("quantized")) / total
+    if share >= LOW_SHARE:
+        return None
+    held = sorted((r for r in rows if not r.get("quantized")), key=lambda r: -r["flops"])[:3]
+    names = ", ".join(f"{r['node']} ({r['flops'] / total:.0%} of FLOPs"
+                      + (f", restoring it alone gains {r['restore_gain']:.4f}" if r.get("restore_gain") is not None
+                         else "") + ")" for r in held)
+    return (f"only {share:.0%} of the Conv/MatMul/Gemm FLOPs are {precision} within the accuracy budget (the rest "
+            f"fp16): {precision} will likely not run faster than fp16 here. Held back most: {names}; sensitivity.png in "
+            f"the report ranks every layer")
+
+
+def search_fix(search: dict, validate_samples: int, budget_margin: float) -> str | None:
+    """How to fix an int8/fp8 build whose validation misses the budget that its accuracy search met: the search's
+    figure and samples against validation's, and the two remedies (None when the search did not run)."""
+    if "search_cosine_worst_feed" not in search:
+        return None
+    return (f"the accuracy search met its target with cosine {search['search_cosine_worst_feed']:.6f} (worst of "
+            f"{search.get('search_samples')} held-out samples), validation measured {validate_samples} other samples: "
+            f"the search's samples did not represent them. Give more calibration samples (calibration.data: a quarter "
+            f"of them, up to 8, judge the search) or raise calibration.budget_margin (now {budget_margin:g}) so that "
+            f"the search keeps more layers in higher precision")
+
+
 def _check_arguments(method: str, precision: str, feeds: list, high_precision: str, min_cosine: float | None) -> None:
     if method not in METHODS:
         raise ConfigError(f"calibration method {method!r} is unknown", stage=STAGE, fix=f"use one of {', '.join(METHODS)}")
@@ -263,29 +331,27 @@ def _prepare(src: Path, dst: Path, feeds: list[Feed], ref: list[dict]) -> tuple[
     return dst, info
 
 
-def _choose_ranges(q: Quantizer, alone: dict[str, float], score_with, cos_none: float, budget: float):
-    """Per activation tensor, the range that measurably loses least: for every layer that alone loses more than
-    RETRY_LOSS of the budget's allowed error with the entropy range, the percentile and the max range of the same
-    histogram are tried for its inputs (that layer alone quantized, as the sensitivity is measured) and the best kept.
-    Entropy's KL criterion clips tensors whose rare large values carry the signal (PP-OCRv4 det's first pointwise
-    Conv alone: cosine 0.62 with entropy, 0.98 with the 99.999th percentile). Returns the merged ranges, the updated
-    cosine-alone of each layer and {layer: method} for the layers that changed."""
+def _ranges_by_local_error(q: Quantizer, prepared: Path, feeds: list[Feed]):
+    """Per activation tensor, the range (entropy, percentile, max or MSE of the same histogram) whose quantization
+    gives the least error in the layer that reads it (each layer quantized alone, from fp32 activations: local, one
+    probe run per method and sample). Entropy's KL criterion clips tensors whose rare large values carry the signal
+    (PP-OCRv4 det's first pointwise Conv: relative output error 0.67 with entropy, 0.003 with the percentile range).
+    A tensor read by several layers: the most sensitive one decides. Returns (the quantizer with those ranges,
+    {layer: {method: its local error}}, {layer: method} where that is not ``q``'s own)."""
     from onnxruntime.quantization.calibrate import TensorsData
 
-    retry = [n for n in q.layers if cos_none - alone[n] > RETRY_LOSS * (1.0 - budget)]
-    alts = alternative_ranges(q.ranges) if retry else {}
-    if not alts:
-        return q.ranges, alone, {}
-    quantizers = {m: q.with_ranges(r) for m, r in alts.items()}
-    alone, pick = dict(alone), {}
-    for n in retry:
-        for m, qm in quantizers.items():
-            c = score_with(qm, [n])
-            if c is not None and c > alone[n]:
-                alone[n], pick[n] = c, m
+    own = q.ranges.calibration_method
+    own_name = {"Entropy": "entropy", "Percentile": "percentile", "MinMax": "minmax"}.get(str(own).split(".")[-1], "entropy")
+    alts = {m: r for m, r in alternative_ranges(q.ranges).items() if m != own_name}
+    quantizers = {own_name: q, **{m: q.with_ranges(r) for m, r in alts.items()}}
+    errors = local_errors(quantizers, prepared, feeds)
+    best = {n: min(errors, key=lambda m: (errors[m].get(n, float("inf")), m != own_name)) for n in q.layers}
     data, taken = dict(q.ranges.data), set()
-    for n in sorted(pick, key=lambda n: alone[n]):  # a tensor read by several layers: the most sensitive one decides
+    for n in sorted(q.layers, key=lambda n: -errors[best[n]].get(n, 0.0)):
         for t in q.activations(n):
             if t not in taken:
-                data[t], _ = alts[pick[n]].data[t], taken.add(t)
-    return TensorsData(q.ranges.calibration_method, data), alone, pick
+                taken.add(t)
+                if best[n] != own_name:
+                    data[t] = alts[best[n]].data[t]
+    return (q.with_ranges(TensorsData(own, data)), {n: {m: errors[m].get(n) for m in errors} for n in q.layers},
+            {n: m for n, m in best.items() if m != own_name})

@@ -82,9 +82,21 @@ def fp16_rounded(model: onnx.ModelProto) -> onnx.ModelProto | None:
     return m
 
 
+QDQ_EMULATION = ("Q/DQ computed as written, in float (int8 codes times their scales; products summed in fp32, as "
+                 "TensorRT accumulates int8 products exactly), never ONNX Runtime's CPU-specific integer kernels: the "
+                 "same figure on any x86-64 host")
+
+
+def emulation_label(precision: str) -> str:
+    """What computed an accuracy figure of a graph at ``precision`` on a host that cannot run the engine."""
+    how = {"fp16": "every fp16 value rounded to fp16 after each op, arithmetic in fp32",
+           "int8": QDQ_EMULATION, "fp8": QDQ_EMULATION.replace("int8", "fp8")}.get(precision)
+    return f"onnxruntime emulation of {precision}" + (f" ({how})" if how else "")
+
+
 def precision_runner(path, optimization: str = "all", arena: bool = True, stage: str = "validate"):
     """(feed -> outputs, how) for a precision graph in ONNX Runtime: an fp16 graph through ``fp16_rounded`` (what
-    TensorRT stores between layers), any other graph as it is."""
+    TensorRT stores between layers), any other graph as it is; Q/DQ always as written (``ort_session``'s exact mode)."""
     from .ort import ort_runner
 
     model = onnx.load(str(path)) if not isinstance(path, onnx.ModelProto) else path
@@ -96,3 +108,4 @@ def precision_runner(path, optimization: str = "all", arena: bool = True, stage:
             "ONNX Runtime's own fp16 execution (control-flow subgraphs: not rounded; it computes many fp16 ops in fp32)"
     return ort_runner(rounded.SerializeToString(), optimization, stage, arena), \
         "every fp16 value rounded to fp16 after each op, arithmetic in fp32"
+

@@ -36,7 +36,6 @@ They are built as they are, with their own scales, never recalibrated. What Tens
 """
 from __future__ import annotations
 
-import math
 from collections import Counter
 
 import numpy as np
@@ -84,16 +83,8 @@ def describe(q: dict) -> str:
     return ", ".join(parts) + "".join(f"; {n}" for n in notes)
 
 
-def accuracy_fix(q: dict, spread: float | None = None, min_cosine: float | None = None) -> str:
-    """How to fix a build below its accuracy budget. ``spread``: the cosine between two correct executions of the model
-    as shipped (validate's reference_spread); below the budget, no execution of the model can meet it, so the fix is the
-    budget (or the model's own quantization), not the conversion."""
-    if spread is not None and min_cosine is not None and spread < min_cosine:
-        level = math.floor(spread * 1000) / 1000
-        return (f"the model as shipped is itself reproducible only to cosine {spread:.4f} (ONNX Runtime with vs without "
-                f"graph optimizations), so no execution of it, this engine included, reaches min_cosine={min_cosine}: "
-                f"set accuracy.min_cosine={level} to accept agreement at the model's own level, or quantize the model "
-                "so that it is stable (per-channel weights, percentile ranges, sensitive layers left in float)")
+def accuracy_fix(q: dict) -> str:
+    """How to fix a build of a pre-quantized model below its accuracy budget."""
     if q.get("requantized_pairs") or q.get("requantized_weights"):
         return ("its asymmetric pairs were requantized to symmetric int8, a different rounding than the model as shipped: "
                 "lower accuracy.min_cosine if that agreement is acceptable, or use model.asymmetric=exact (the model's "

@@ -53,7 +53,9 @@ def ranges_from_feeds(model_path: Path, feeds, method: str, work: Path,
 
 
 def alternative_ranges(ranges) -> dict[str, object]:
-    """The percentile and the max range of the same histograms ({method: TensorsData}), or {} without histograms."""
+    """The percentile and the max range of the same histograms ({method: TensorsData}), or {} without histograms.
+    (An MSE-optimal range of |x| was tried too: locally better on 32 of PP-OCRv4 det's 72 layers, whole-model worse,
+    all-int8 cosine 0.96-0.98 -> 0.91-0.95: its clipping is a bias the next layers carry, not noise.)"""
     from onnxruntime.quantization.calibrate import TensorsData
 
     if not all(getattr(v, "hist", None) is not None for v in ranges.data.values()):
@@ -122,15 +124,37 @@ def _histogram_collector(cal):
     class AbsHistogram(HistogramCollector):
         def collect(self, name_to_arr):
             tiny = np.finfo(np.float32).tiny * 2 * self.num_bins  # below this |x| is no range at all: all zeros
-            out = {}
             for name, arrs in name_to_arr.items():
-                out[name] = []
                 for a in (arrs if isinstance(arrs, list) else [arrs]):
-                    a = np.ravel(a)
-                    if a.size and np.nanmax(np.abs(a)) < tiny:
-                        a = np.zeros_like(a)
-                    out[name].append(np.append(a, np.zeros(1, a.dtype)))  # one 0: the first bin edge is 0
-            return self.collect_absolute_value(out)
+                    a = np.abs(np.ravel(a))
+                    amax = float(np.nanmax(a)) if a.size else 0.0
+                    if amax < tiny:
+                        a, amax = np.zeros(1, np.float32), 0.0
+                    self._add(name, a, amax)
+
+        def _add(self, name: str, a: np.ndarray, amax: float) -> None:
+            """ORT's histogram update (bins of a fixed width from 0, more bins appended when |x| grows), counted with
+            one bincount instead of np.histogram's binary search over explicit edges (~10x faster per tensor)."""
+            old = self.histogram_dict.get(name)
+            zeros = 0
+            if old is not None and old[3] == 0 and amax > 0:  # only zeros so far: start the bins over [0, amax]
+                zeros, old = int(old[0].sum()), None
+            if old is None:
+                edges = np.linspace(0.0, amax if amax > 0 else 1.0, self.num_bins + 1).astype(np.float32)
+                hist = np.zeros(self.num_bins, np.int64)
+                hist[0] = zeros
+                lo = hi = amax
+            else:
+                hist, edges, lo, hi = old
+                if amax > edges[-1]:
+                    width = float(edges[1] - edges[0])
+                    more = np.arange(float(edges[-1]) + width, amax + width, width, dtype=np.float64)
+                    edges = np.concatenate([edges, more.astype(np.float32)])
+                    hist = np.concatenate([hist, np.zeros(more.size, np.int64)])
+            width = float(edges[1] - edges[0])
+            idx = np.minimum((a / width).astype(np.int64, copy=False), hist.size - 1)
+            hist = hist + np.bincount(idx[idx >= 0], minlength=hist.size)[: hist.size]
+            self.histogram_dict[name] = (hist, edges, np.float32(min(lo, amax)), np.float32(max(hi, amax)))
 
     return AbsHistogram(method=cal.method, symmetric=cal.symmetric, num_bins=cal.num_bins,
                         num_quantized_bins=cal.num_quantized_bins, percentile=cal.percentile, scenario=cal.scenario)

@@ -174,23 +174,30 @@ def latency_plot(benchmark: dict, path: Path) -> Path | None:
 # --- report.html --------------------------------------------------------------------------------------------------
 
 def sensitivity_report(segments: list[dict], d: Path) -> dict[str, Path]:
-    """The per-layer sensitivity table (JSON) and a bar chart: cosine with only that layer quantized."""
+    """The per-layer sensitivity table (JSON) and a bar chart: what restoring each layer gains, or its local error."""
     rows = [{"segment": s["segment"], **r, "kept_high_precision": r["node"] in set(s.get("fallback", []))}
             for s in segments for r in s.get("sensitivity", [])]
     files = {"sensitivity": write_json(d / "sensitivity.json", {"layers": rows, "segments": [
         {k: s.get(k) for k in ("segment", "method", "range_choice", "precision", "quantized", "fallback", "min_cosine",
                                "fp32_by_data_range", "fp32_by_cancellation", "search_set")}
         for s in segments]})}
-    if rows:
+    gain = [r for r in rows if r.get("restore_gain") is not None]
+    local = [r for r in rows if r.get("local_error") is not None]
+    if gain or local:  # the search's measured ranking when it searched, else each layer's local error
         plt = _pyplot()
-        rows = sorted(rows, key=lambda r: r["cosine_alone"])
+        rows, value, label = (
+            (sorted(gain, key=lambda r: -r["restore_gain"]), lambda r: max(r["restore_gain"], 1e-7),
+             "cosine to fp32 gained by restoring only this layer in the all-quantized graph (a calibration sample)")
+            if gain else
+            (sorted(local, key=lambda r: -r["local_error"]), lambda r: max(r["local_error"], 1e-12),
+             "relative squared error of the layer's own output with only it quantized (from fp32 inputs)"))
         fig, ax = plt.subplots(figsize=(10, max(3.0, 0.18 * len(rows) + 1)))
         colors = ["#c62828" if r["kept_high_precision"] else "#2e7d32" for r in rows]
-        ax.barh(range(len(rows)), [1 - r["cosine_alone"] for r in rows], color=colors)
+        ax.barh(range(len(rows)), [value(r) for r in rows], color=colors)
         ax.set_yticks(range(len(rows)))
         ax.set_yticklabels([r["node"] for r in rows], fontsize=6)
         ax.set_xscale("log")
-        ax.set_xlabel("1 - cosine to fp32 with only this layer quantized (red: kept in higher precision)")
+        ax.set_xlabel(label + " (red: kept in higher precision)")
         ax.set_title("quantization sensitivity per layer")
         files["sensitivity_plot"] = _save(fig, d / "sensitivity.png")
     return files
@@ -325,7 +332,7 @@ def _quantization(s: dict, sens: dict | None, out_dir: Path) -> str:
                        str(len(g.get("quantized") or [])), esc(", ".join(g.get("fallback") or []) or "none")]
                       for g in sens["segments"]])
     if (out_dir / "sensitivity.png").is_file():
-        out += img(out_dir / "sensitivity.png", "sensitivity per layer (cosine to fp32 with only that layer quantized)")
+        out += img(out_dir / "sensitivity.png", "sensitivity per layer (what restoring it alone gains, or its local error)")
     return out
 
 

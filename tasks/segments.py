@@ -165,7 +165,8 @@ def boundary_names(segments: list[Segment]) -> list[str]:
 def run_with_intermediates(model, names: list[str], feeds: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
     """Run the fp32 model in ONNX Runtime returning the named intermediate tensors as well."""
     import onnx
-    import onnxruntime as ort
+
+    from .ort import ort_session
 
     m = onnx.ModelProto()
     m.CopyFrom(model)
@@ -174,9 +175,7 @@ def run_with_intermediates(model, names: list[str], feeds: list[dict[str, np.nda
     for n in names:
         if n not in existing and n not in graph_inputs:
             m.graph.output.append(onnx.ValueInfoProto(name=n))
-    so = ort.SessionOptions()
-    so.log_severity_level = 4
-    sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    sess = ort_session(m.SerializeToString(), stage="partition")
     outs = [o.name for o in sess.get_outputs()]
     results = []
     for feed in feeds:

@@ -45,20 +45,11 @@ def reference_outputs(ref_sess, feeds: list[dict[str, np.ndarray]]) -> tuple[lis
     return refs, kept, [warning]
 
 
-def spread_note(report: dict, reference_label: str) -> str:
-    """'; <reference> agrees with itself only to X ...' for a failed verdict with a measured reference spread."""
-    spread = report.get("reference_spread")
-    if not spread:
-        return ""
-    return (f"; {reference_label} itself gives cosine {spread['cosine_min']:.6f} between "
-            f"{spread['between']}")
-
-
 def validate_onnx(reference: Path, candidate: Path | Callable, feeds: list[dict[str, np.ndarray]], min_cosine: float,
                   inputs_source: str, out_path: Path, engine: Callable | None = None,
                   engine_skip_reason: str | None = None, label: str | None = None,
                   emulation: str = "onnxruntime emulation", engine_device: str | None = None,
-                  reference_label: str = "fp32", reference_spread: bool = False, identical: bool = False,
+                  reference_label: str = "fp32", identical: bool = False,
                   evidence: list[str] | None = None, fix: str | None = None) -> StageResult:
     """Compare candidate (an ONNX file, or a callable such as a composed hybrid model) to the fp32 reference in
     ONNX Runtime on every feed; gate on min_cosine (``gate``); write a JSON report.
@@ -74,10 +65,7 @@ def validate_onnx(reference: Path, candidate: Path | Callable, feeds: list[dict[
 
     ``evidence``: why the inputs are weak evidence (random values, few samples), said in the verdict and warnings.
 
-    ``reference_spread`` (a quantized reference, e.g. a model as shipped quantized): the reference is also run with
-    ONNX Runtime's graph optimizations off (Q/DQ emulated in float instead of fused into integer kernels) and
-    `reference_spread_cosine_min` says how far two correct executions of it already differ: the agreement any other
-    implementation, a TensorRT engine included, can be expected to reach. It informs; it does not move the gate."""
+    Every session is exact (tasks/ort.py): Q/DQ and integer ops computed as written, the same on any x86-64 CPU."""
     t0 = time.perf_counter()
     ref_sess = ort_session(reference)
     refs, kept, warnings = reference_outputs(ref_sess, feeds)
@@ -114,13 +102,6 @@ def validate_onnx(reference: Path, candidate: Path | Callable, feeds: list[dict[
         evidence.insert(0, "identical graph, not measured: the graph TensorRT builds is the reference graph itself, "
                            "so ONNX Runtime can only compare it with itself; the engine's own accuracy needs a GPU of the "
                            "target's compute capability")
-    spread = None
-    if reference_spread:
-        plain = ort_session(reference, optimization="none")
-        spread = {"between": "ONNX Runtime with all graph optimizations and with none",
-                  "cosine_min": headline(summarize([compare(r, ort_run(plain, f)) for r, f in zip(refs, feeds)]))[
-                      "cosine_min"]}
-        metrics["reference_spread_cosine_min"] = spread["cosine_min"]
     passed = measured is None or metrics["cosine_min"] >= min_cosine
     report = {
         "reference": reference_label, "inputs": inputs_source, "samples": samples,
@@ -131,8 +112,6 @@ def validate_onnx(reference: Path, candidate: Path | Callable, feeds: list[dict[
         "evidence": evidence, "warnings": warnings, "passed": passed,
         "verdict": verdict_text(metrics, passed, min_cosine, reference_label, samples, inputs_source, evidence),
     }
-    if spread is not None:
-        report["reference_spread"] = spread
     write_json(out_path, report)
     metrics["validate_seconds"] = time.perf_counter() - t0
     result = StageResult(files={"validation": out_path}, metrics=metrics, details=report)
@@ -164,7 +143,7 @@ def gate(result: StageResult, label: str | None = None, fix: str | None = None) 
     worst = min(r["outputs"], key=lambda n: r["outputs"][n]["cosine"])
     err = AccuracyError(
         f"output {worst!r} has cosine {r['cosine_min']:.6f} to {r['reference']} ({r['cosine_source']}), below "
-        f"accuracy.min_cosine={r['min_cosine']}{spread_note(r, r['reference'])}",
+        f"accuracy.min_cosine={r['min_cosine']}",
         stage="validate", file=label,
         fix=fix or "use a higher precision, or lower accuracy.min_cosine if that loss is acceptable")
     err.result = result

@@ -1,52 +1,51 @@
-"""The accuracy-budget search as a pure function of per-layer scores (tasks/search.py)."""
-from tasks.search import budget_search
+"""The accuracy-budget search as a pure function of whole-model judgements and per-layer harm (tasks/search.py)."""
+import pytest
+
+from tasks.search import restore_search, search_target
 
 
-def additive(losses: dict[str, float], none: float = 1.0):
-    """A score where each quantized layer loses its own amount (effects add up)."""
-    return lambda names: none - sum(losses[n] for n in names)
+def additive(losses: dict[str, float], budget: float = 0.01):
+    """``meets`` where each quantized layer loses its own amount (effects add up) and the allowed loss is ``budget``."""
+    calls = []
+
+    def meets(names):
+        calls.append(list(names))
+        return sum(losses[n] for n in names) <= budget + 1e-12
+    return meets, calls
 
 
-def test_a_layer_ranked_first_that_alone_breaks_the_budget_does_not_stop_the_search():
-    # 'big' moves the most FLOPs for its loss (ranked first) but alone breaks the budget; 'a' and 'b' together meet it
-    losses = {"big": 0.02, "a": 0.004, "b": 0.004}
-    score = additive(losses)
-    alone = {n: score([n]) for n in losses}
-    flops = {"big": 1e12, "a": 1e6, "b": 1e6}
-    r = budget_search(list(losses), score, 0.99, 1.0, alone, flops)
-    assert r.ranking[0]["node"] == "big" and not r.ranking[0]["eligible"]
-    assert sorted(r.chosen) == ["a", "b"] and r.score >= 0.99
+def test_everything_quantized_when_it_meets_the_budget_in_one_run():
+    meets, calls = additive({"a": 0.001, "b": 0.001})
+    chosen, runs = restore_search(["a", "b"], meets, {"a": 0.001, "b": 0.001})
+    assert sorted(chosen) == ["a", "b"] and runs == 1 == len(calls)
 
 
-def test_the_longest_prefix_within_budget_then_greedy():
-    losses = {f"l{i}": 0.001 * (i + 1) for i in range(8)}  # l0 cheapest ... l7 most costly
-    score = additive(losses)
-    alone = {n: score([n]) for n in losses}
-    r = budget_search(list(losses), score, 0.99, 1.0, alone)
-    # 0.001 + 0.002 + 0.003 = 0.006; + 0.004 = 0.010 just meets 0.99
-    assert r.chosen == ["l0", "l1", "l2", "l3"] and abs(r.score - 0.99) < 1e-12
-    assert sum(losses[n] for n in r.chosen) <= 0.01 + 1e-12
+def test_the_most_harmful_per_flop_are_restored_first_and_few_runs_decide():
+    losses = {f"l{i}": 0.0005 for i in range(40)} | {"bad": 0.02, "worse": 0.05}
+    meets, calls = additive(losses)
+    chosen, runs = restore_search(list(losses), meets, dict(losses), {n: 1.0 for n in losses})
+    assert "bad" not in chosen and "worse" not in chosen and len(chosen) == 20  # 20 x 0.0005 = 0.01
+    # binary search over 42 layers (at most 7 runs), then each of the 22 restored layers tried back once (none fits)
+    assert runs == len(calls) <= 7 + 22
 
 
-def test_greedy_pass_takes_a_later_layer_that_still_fits():
-    losses = {"a": 0.004, "b": 0.0065, "c": 0.0005}
-    score = additive(losses)
-    alone = {n: score([n]) for n in losses}
-    flops = {"a": 100.0, "b": 100.0, "c": 1.0}  # c: least FLOPs, so ranked last despite its small loss
-    r = budget_search(list(losses), score, 0.99, 1.0, alone, flops)
-    assert r.chosen[:1] == ["a"] and "c" in r.chosen and "b" not in r.chosen
+def test_refinement_takes_back_a_large_layer_the_ranking_misjudged():
+    # 'big' looks harmful (harm 0.006) but costs 0.002; restoring it by rank would lose most of the FLOPs
+    losses = {"big": 0.002, "small1": 0.004, "small2": 0.004, "tiny": 0.003}
+    harm = {"big": 0.006 * 100, "small1": 0.004, "small2": 0.004, "tiny": 0.003}  # per FLOP: big ranked first
+    flops = {"big": 100.0, "small1": 1.0, "small2": 1.0, "tiny": 1.0}
+    meets, _ = additive(losses)
+    chosen, _ = restore_search(list(losses), meets, harm, flops)
+    assert "big" in chosen and sum(losses[n] for n in chosen) <= 0.01
 
 
-def test_nothing_fits_gives_an_empty_choice_at_the_unquantized_score():
-    losses = {"a": 0.05, "b": 0.06}
-    score = additive(losses)
-    alone = {n: score([n]) for n in losses}
-    r = budget_search(list(losses), score, 0.99, 1.0, alone)
-    assert r.chosen == [] and r.score == 1.0 and not any(row["eligible"] for row in r.ranking)
+def test_nothing_fits_gives_an_empty_choice():
+    meets, _ = additive({"a": 0.05, "b": 0.06})
+    assert restore_search(["a", "b"], meets, {"a": 0.05, "b": 0.06})[0] == []
 
 
-def test_everything_fits():
-    losses = {"a": 0.001, "b": 0.001}
-    score = additive(losses)
-    r = budget_search(list(losses), score, 0.99, 1.0, {n: score([n]) for n in losses})
-    assert sorted(r.chosen) == ["a", "b"]
+def test_the_margin_grows_when_few_samples_judge():
+    assert search_target(0.99, 0.25) == pytest.approx(0.9925)
+    assert search_target(0.99, 0.25, 8) == pytest.approx(0.9925) == search_target(0.99, 0.25, 24)
+    assert search_target(0.99, 0.25, 2) == pytest.approx(0.995)  # 0.25 x sqrt(8 / 2)
+    assert search_target(0.99, 0.9, 1) == pytest.approx(1.0)  # at most the whole allowed error
