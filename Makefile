@@ -30,9 +30,9 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PIP) -e '.[test,torch]'
-	@# empty Prefect and MLflow databases, migrated once per library version (flows/templates.py): a new Prefect home
+	@# empty Prefect and MLflow databases, migrated once per library version (flows/local/templates.py): a new Prefect home
 	@# or tracking store starts from a copy instead of paying the migrations in a user's first build
-	-$(PY) -m flows.templates
+	-$(PY) -m flows.local.templates
 	@touch $(STAMP)
 
 $(PADDLE_STAMP): $(STAMP) Makefile
@@ -83,5 +83,5 @@ qemu:
 	    qemu-user; fi
 
 clean:
-	@test -x $(PY) && $(PY) -m flows.daemon stop || true
+	@test -x $(PY) && $(PY) -m flows.local.daemon stop || true
 	rm -rf .trtforge out mlruns mlflow.db outputs multirun compare.html test-artifacts

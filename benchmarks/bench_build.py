@@ -10,7 +10,7 @@ Compares, on the same ONNX file and the same settings:
   3. raw ONNX Runtime (InferenceSession, CPUExecutionProvider) at the opt shape 1x3x640x640, p50 over N runs,
      next to the benchmark stage's `ort_p50_ms`.
 Then the fixed overheads against issue 18's goals: process start + imports, the shared local Prefect server
-(flows/server.py) and the first flow, and MLflow logging, measured by a
+(flows/local/server.py) and the first flow, and MLflow logging, measured by a
 probe subprocess, with the remainder (wall time minus stage seconds) split as far as the runs allow.
 
 Everything goes in a fresh temp folder (cache, outputs, MLflow db and artifacts, Prefect home); the
@@ -59,9 +59,9 @@ def pipeline_env(tmp: Path) -> dict:
 
 
 def wait_warm(tmp: Path) -> str:
-    """After the first build: wait until the warm build process it left behind serves (flows/daemon.py), as it does
+    """After the first build: wait until the warm build process it left behind serves (flows/local/daemon.py), as it does
     for every later build of a session; what the later runs had."""
-    from flows import daemon
+    from flows.local import daemon
 
     if not daemon.enabled():
         return "no warm process (TRTFORGE_DAEMON=0)"
@@ -77,7 +77,7 @@ def run_pipeline(tmp: Path, label: str, precision: str, cache: str) -> dict:
     env = pipeline_env(tmp)
     timeline = tmp / f"timeline.{label}.jsonl"
     env["TRTFORGE_TIMELINE"] = str(timeline)  # the run's own phase marks (flows/timeline.py)
-    from flows import daemon
+    from flows.local import daemon
 
     served_before = daemon.served(env)
     print(f"  pipeline {label:<10} precision={precision} cache={cache} ...", end=" ", flush=True)
@@ -106,7 +106,7 @@ def lap(key, t):
     out[key] = time.perf_counter() - t
 from flows.env import env_defaults; env_defaults()
 # the shared server first: Prefect reads PREFECT_API_URL when it is imported (a build imports it after ensure())
-t = time.perf_counter(); import flows.server; flows.server.ensure(); lap("prefect: the shared local server (found, or started)", t)
+t = time.perf_counter(); import flows.local.server; flows.local.server.ensure(); lap("prefect: the shared local server (found, or started)", t)
 t = time.perf_counter()
 from prefect import flow, task
 from prefect.cache_policies import NONE
@@ -125,7 +125,7 @@ def trivial():
     for i in range(7):  # 6 stages + track
         noop(i)
 
-with flows.server.without_heartbeats():  # as a build runs its flow
+with flows.local.server.without_heartbeats():  # as a build runs its flow
     t = time.perf_counter(); trivial(); lap("prefect: 1st flow in the process", t)
     time.sleep(2)  # a build's flows are seconds apart: the server has caught up with the last one's events
     t = time.perf_counter(); trivial(); lap("prefect: 2nd flow, same process (server up)", t)
@@ -396,7 +396,7 @@ def main() -> int:
                 print(table(["what", "seconds"], [[k, f"{v:.2f}"] for k, v in pr.items()]))
                 print()
     finally:
-        from flows import daemon, server
+        from flows.local import daemon, server
 
         daemon.stop(pipeline_env(tmp))  # its warm process exits
         for home in (tmp / "prefect", tmp / "probe" / "prefect"):  # and the shared servers of its Prefect homes

@@ -39,7 +39,7 @@ def bench_env(tmp: Path) -> dict:
 
 
 def run(tmp: Path, args: list[str], label: str) -> tuple[float, str]:
-    from flows import daemon
+    from flows.local import daemon
 
     env = bench_env(tmp)
     before = daemon.served(env)
@@ -76,7 +76,7 @@ def main() -> int:
     args = [f"model={a.model}", f"target={a.target}", f"precision={a.precision}"]
     try:
         cold, _ = run(tmp, args, "cold")
-        from flows import daemon
+        from flows.local import daemon
 
         if daemon.enabled():  # the first build left a warm process behind: later builds of a session use it
             waited = daemon.wait_serving(bench_env(tmp))
@@ -117,7 +117,7 @@ def main() -> int:
             print(f"{name:<{w}}  {sec:8.2f}  {ratio:7.3f}")
         print("goal: no-op <= 0.1x cold (bar 0.25x)")
     finally:
-        from flows import daemon, server
+        from flows.local import daemon, server
 
         daemon.stop(bench_env(tmp))
         server.shutdown(tmp / "prefect")  # its shared Prefect server goes with the temp folder

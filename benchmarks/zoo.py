@@ -376,7 +376,7 @@ def error_status(reason: str) -> str:
 
 def zoo_env(tmp: Path) -> dict:
     """The environment of every zoo build: its own MLflow store and Prefect home (one warm build process serves the
-    builds after the first, flows/daemon.py)."""
+    builds after the first, flows/local/daemon.py)."""
     return dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp / 'mlflow.db'}", PREFECT_HOME=str(tmp / "prefect"),
                 PREFECT_LOCAL_STORAGE_PATH=str(tmp / "prefect" / "storage"), MLFLOW_DISABLE_TELEMETRY="true",
                 DO_NOT_TRACK="true", PREFECT_SERVER_ANALYTICS_ENABLED="false",
@@ -386,7 +386,7 @@ def zoo_env(tmp: Path) -> dict:
 def stop_warm(tmp: Path) -> None:
     """The zoo's warm build process and shared Prefect server go with its temp folder."""
     sys.path.insert(0, str(ROOT))
-    from flows import daemon, server
+    from flows.local import daemon, server
 
     env = zoo_env(tmp)
     daemon.stop(env)  # (without its socket it exits within a second)

@@ -14,15 +14,15 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-if __name__ == "__main__":  # the CLI: a warm build process takes the build when one is up (flows/daemon.py)
-    from flows.daemon import delegate
+if __name__ == "__main__":  # the CLI: with TRTFORGE_DAEMON=1 a warm build process takes the build when one is up
+    from flows.local.daemon import delegate  # (flows/local/daemon.py)
 
-    _status = delegate("flows.build:main", sys.argv[1:])
+    _status = delegate(sys.argv[1:])
     if _status is not None:
         sys.exit(_status)
     if not {"-h", "--help", "-c", "--cfg"} & set(sys.argv[1:]):  # the shared local Prefect server (when none runs)
         from flows.env import env_defaults                          # starts while this process imports and checks
-        from flows.server import begin                              # its input (stopped again when no flow needs it)
+        from flows.local.server import begin                              # its input (stopped again when no flow needs it)
 
         env_defaults()
         begin()
@@ -32,7 +32,7 @@ from flows.env import env_defaults  # noqa: E402
 env_defaults()  # before Prefect and MLflow are imported
 
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
-from flows import server as prefect_server  # noqa: E402
+from flows.local import server as prefect_server  # noqa: E402
 from flows import stages, timeline  # noqa: E402
 from flows.context import CODE, TRTFORGE_VERSION, BuildContext, BuildIdentity  # noqa: E402
 from flows.lazy import NONE, flow, task  # noqa: E402  (Prefect is imported when a build has work)
@@ -41,7 +41,7 @@ from flows.cache import (StageCache, build_key, new_result_dir, named_lock, publ
 from flows.cli import expand_overrides, parse_args, print_stage, print_summary  # noqa: E402
 from flows.config import compose_config, flat_params, preflight  # noqa: E402
 from flows.sweep import jobs, run_sweep  # noqa: E402
-from flows.tracking import end_run, run_matches, warm  # noqa: E402
+from flows.tracking import end_run, run_matches, warm, warmed  # noqa: E402
 from tasks.errors import TrtforgeError, cause  # noqa: E402
 from tasks.report import write_report  # noqa: E402
 from tasks.util import write_json  # noqa: E402
@@ -202,8 +202,9 @@ def run_build(cfg: DictConfig, config_dir: str | None = None, show_progress: boo
                                    cache=StageCache(cfg.cache_dir), show_progress=show_progress, on_stage=on_stage)
                 timeline.mark("preflight done")
                 name = f"{cfg.model.name}-{cfg.target.name}-{cfg.precision.name}"
-                prefect_server.ensure()  # the machine's shared local Prefect server answers (waits for its start)
+                prefect_server.ensure()  # the user's shared local Prefect server answers (waits for its start)
                 timeline.mark("prefect server answers")
+                warmed()  # the background imports are done: Prefect and MLflow are imported by one thread at a time
                 with prefect_server.lease(), prefect_server.without_heartbeats():
                     summary = build_flow(ctx, run_name=name)
                 if summary is None:  # bad input found by a stage: nothing published or tracked
@@ -291,7 +292,13 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
     return code
 
 
-if __name__ == "__main__":
-    from flows.cli import exit_now
+def cli(argv: list[str], started: float | None = None):
+    """The CLI as its process runs it, in its own process or forked from a warm one (flows/local/daemon.py): the same
+    output, exit status, SystemExit message and death by signal either way (flows/cli.py finish). Never returns."""
+    from flows.cli import finish
 
-    exit_now(main())
+    finish(lambda: main(argv, started=started))
+
+
+if __name__ == "__main__":
+    cli(sys.argv[1:])

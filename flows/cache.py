@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from flows.locks import locked, named_lock, pid_alive  # noqa: F401  (named_lock: used by flows)
+from flows.local.locks import locked, named_lock, pid_alive  # noqa: F401  (named_lock: used by flows)
 from tasks.deps import changed, merge_deps, recording
 from tasks.util import StageResult, sha256_file, sha256_json, write_json
 

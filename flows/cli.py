@@ -125,6 +125,52 @@ def accuracy_source(summary: dict) -> str:
     return text
 
 
+def finish(main) -> None:
+    """Run the CLI's `main()` and end the process as the interpreter would end it, the same whether the process is
+    the CLI's own or a warm process's child: `sys.exit(n)` exits n; `SystemExit("message")` prints the message on
+    stderr and exits 1; Ctrl-C (KeyboardInterrupt) and a SIGTERM that Prefect's flow engine turned into an exception
+    say so in one line and end the process by that signal (the shell sees 128+n); anything else is an internal error
+    (exit 1, traceback with TRTFORGE_TRACEBACK=1). Never returns."""
+    import signal
+
+    try:
+        code = main()
+    except SystemExit as e:
+        code = e.code
+        if code is None:
+            code = 0
+        elif not isinstance(code, int):
+            print(code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:
+        _end_by(signal.SIGINT)
+    except BaseException as e:  # noqa: BLE001
+        sig = getattr(e, "signal", None)
+        if type(e).__name__ == "TerminationSignal" and isinstance(sig, int):  # prefect.exceptions (not imported here)
+            _end_by(sig)
+        if os.environ.get("TRTFORGE_TRACEBACK"):
+            import traceback
+
+            traceback.print_exc()
+        print(f"trtforge: internal error: {type(e).__name__}: {e}", file=sys.stderr)
+        code = 1
+    exit_now(code)
+
+
+def _end_by(sig: int) -> None:
+    """One line on stderr, then the process ends by `sig` (as a process without a handler for it would); exit
+    handlers run for Ctrl-C as the interpreter runs them for an uncaught KeyboardInterrupt, not for SIGTERM."""
+    import atexit
+    import signal
+
+    print(f"trtforge: stopped by {signal.Signals(sig).name}", file=sys.stderr)
+    if sig == signal.SIGINT:
+        atexit._run_exitfuncs()
+    from flows.local.daemon import die_by
+
+    die_by(sig)
+
+
 def exit_now(code: int):
     """End the CLI with `code` once its work is done, without the interpreter's finalization (about a second of
     module teardown and native destructors after a build, measured with benchmarks/bench_build.py): threads that are

@@ -1,5 +1,5 @@
 """The environment defaults every entry point sets before Prefect or MLflow is imported, in a module of its own
-(standard library only): the CLI sets them and starts the shared Prefect server (flows/server.py) before its heavier
+(standard library only): the CLI sets them and starts the shared Prefect server (flows/local/server.py) before its heavier
 imports, so the server inherits them. The user's environment always wins."""
 from __future__ import annotations
 

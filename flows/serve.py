@@ -1,8 +1,9 @@
 """`python -m flows.serve [port=4200] [cron=...] [experiment=...] [tolerance=...]`: the scheduled rebuild.
 
-Connects to the Prefect server at PREFECT_API_URL, or at 127.0.0.1:PORT, or starts `prefect server start` there,
-then serves the rebuild flow (flows/rebuild.py) as the deployment `trtforge-rebuild/scheduled` on the cron
-schedule in conf/rebuild.yaml. Builds started with PREFECT_API_URL set use that server instead of a temporary one.
+Connects to the Prefect server at PREFECT_API_URL, or to this user's authenticated server at 127.0.0.1:PORT, or
+starts one there (Prefect's API authentication with the user's secret, flows/local/server.py), then serves the
+rebuild flow (flows/rebuild.py) as the deployment `trtforge-rebuild/scheduled` on the cron schedule in
+conf/rebuild.yaml. Builds started with PREFECT_API_URL (and PREFECT_API_AUTH_STRING) set use that server.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sys
 import time
 
 from flows.env import env_defaults
-from flows.net import healthy
+from flows.local.net import healthy
 from flows.rebuild import settings
 
 env_defaults()
@@ -21,28 +22,58 @@ DEPLOYMENT = "scheduled"
 
 
 def ensure_server(port: int = 4200, timeout: float = 120.0) -> tuple[str, subprocess.Popen | None]:
-    """The API URL of a running server (PREFECT_API_URL, or 127.0.0.1:port), starting one when none answers.
-    Returns the URL and the server process when this call started it."""
-    url = os.environ.get("PREFECT_API_URL") or f"http://127.0.0.1:{port}/api"
-    if healthy(url):
-        return url, None
-    if "PREFECT_API_URL" in os.environ and not url.startswith(("http://127.0.0.1", "http://localhost")):
-        from tasks.errors import UnavailableError
-        raise UnavailableError(f"PREFECT_API_URL={url} does not answer", fix="start that server, or unset PREFECT_API_URL")
-    from flows.prefect_api import server_command
-    from flows.server import seed_home
+    """The API URL of a Prefect server to serve on: the user's PREFECT_API_URL (with their own
+    PREFECT_API_AUTH_STRING), else this user's authenticated server on 127.0.0.1:port, started when the port is free
+    (bound here and handed to the server: never free in between). A server on that port that is another user's, or
+    that does not require and accept this user's secret, is refused: its rebuilds would write where anyone's
+    parameters say. Sets PREFECT_API_AUTH_STRING for this process. Returns the URL and the server process when this
+    call started it."""
+    from flows.local import private
+    from flows.local import server as local
+    from flows.local.net import authenticated, listener_uid, reserve
+    from tasks.errors import UnavailableError
 
-    first = seed_home()
-    proc = subprocess.Popen(server_command(port), env={**os.environ, **first},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    if os.environ.get("PREFECT_API_URL"):
+        url = os.environ["PREFECT_API_URL"]
+        if healthy(url):
+            return url, None
+        raise UnavailableError(f"PREFECT_API_URL={url} does not answer", fix="start that server, or unset PREFECT_API_URL")
+    try:
+        secret = local.auth_string()
+    except private.NotPrivate as e:
+        raise UnavailableError(f"no private place for the Prefect API's secret: {e}",
+                               fix="remove that folder, or make it yours with mode 0700") from None
+    url = f"http://127.0.0.1:{port}/api"
+    try:
+        sock = reserve(port)
+    except OSError:  # taken: used only when the kernel says it is this user's and it knows the secret
+        uid = listener_uid(port)
+        if uid is not None and uid != os.geteuid():
+            raise UnavailableError(f"127.0.0.1:{port} is served by uid {uid}, not by you: trtforge runs its rebuilds only "
+                                   "on a Prefect server of yours that requires your secret",
+                                   fix=f"pick another port=, or stop that server") from None
+        if uid is None or not authenticated(url, secret):
+            raise UnavailableError(f"the server on 127.0.0.1:{port} cannot be authenticated: it does not require and "
+                                   f"accept your secret ({private.secret_dir() / local.SECRET_NAME})",
+                                   fix=f"stop it and run `make serve` again (it starts one that does), or pick another "
+                                       f"port=") from None
+        os.environ["PREFECT_API_AUTH_STRING"] = secret
+        return url, None
+    from flows.local.prefect_api import server_command
+
+    with sock:
+        proc = subprocess.Popen(server_command(port, sock.fileno()), pass_fds=(sock.fileno(),),
+                                env={**local.server_env(secret), **local.seed_home()},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     t0 = time.monotonic()
     while not healthy(url):
         if proc.poll() is not None or time.monotonic() - t0 > timeout:
             proc.kill()
-            from tasks.errors import UnavailableError
-            raise UnavailableError(f"prefect server start on 127.0.0.1:{port} did not become healthy",
-                                   fix=f"run `prefect server start --port {port}` by hand to see why, or pick another port=")
+            raise UnavailableError(f"the Prefect server on 127.0.0.1:{port} did not become healthy",
+                                   fix=f"run `python -m flows.local.prefect_api {port}` by hand to see why, or pick "
+                                       "another port=")
         time.sleep(0.5)
+    os.environ["PREFECT_API_AUTH_STRING"] = secret
     return url, proc
 
 
@@ -63,7 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     args = dict(a.split("=", 1) for a in (sys.argv[1:] if argv is None else argv) if "=" in a)
     port = int(args.pop("port", 4200))
     opts = settings(**args)
-    url, proc = ensure_server(port)
+    from tasks.errors import TrtforgeError
+
+    try:
+        url, proc = ensure_server(port)
+    except TrtforgeError as e:
+        print(f"trtforge: error: {e.render()}", file=sys.stderr)
+        return e.exit_code
     os.environ["PREFECT_API_URL"] = url  # before Prefect is imported: the flow runs report to this server
     print(f"prefect server {url} ({f'started here, pid {proc.pid}' if proc else 'already running'}); UI {url[:-4]}\n"
           f"serving trtforge-rebuild/{DEPLOYMENT} on cron {opts['cron']!r} (conf/rebuild.yaml); Ctrl-C stops",

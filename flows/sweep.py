@@ -4,7 +4,7 @@ processes (TensorRT parsing and building hold the GIL), TRTFORGE_JOBS of them (d
 Every configuration is composed and checked first (bad input: exit 2 before any work). Up-to-date builds are
 answered here. The stages the builds share (export, partition, the Q/DQ graph per precision) are computed once:
 the first build to need a cache entry computes it under the entry's lock, the others wait and reuse it. The workers
-report to one Prefect server (PREFECT_API_URL, or the machine's shared local one, flows/server.py).
+report to one Prefect server (PREFECT_API_URL, or the machine's shared local one, flows/local/server.py).
 """
 from __future__ import annotations
 
@@ -35,6 +35,18 @@ def _worker_build(run_build: Callable, overrides: list[str], config_dir: str | N
         return {"error": f"internal error: {type(e).__name__}: {cause(e)}", "exit_code": 1, "overrides": overrides}
 
 
+def _die_with_parent() -> None:
+    """A worker ends when the build that started it ends, however it ends (SIGTERM, SIGKILL): Linux's
+    PR_SET_PDEATHSIG, in its own process or forked from a warm one alike."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
 def run_sweep(combos: list[list[str]], config_dir: str | None, report: Callable[[dict], None],
               run_build: Callable, up_to_date: Callable) -> int:
     """Run the combinations in parallel with `run_build` (flows.build's, passed in: it is pickled by reference into
@@ -57,12 +69,14 @@ def run_sweep(combos: list[list[str]], config_dir: str | None, report: Callable[
             work.append(ov)
     if not work:
         return code
-    from flows import daemon, server as prefect_server
+    from flows.local import daemon, server as prefect_server
 
     prefect_server.ensure()  # the workers report to the machine's shared local server (PREFECT_API_URL is inherited)
-    # in a warm build process the workers are forked from it, everything imported; else spawned (fresh interpreters)
-    context = get_context("fork" if daemon.WARM else "spawn")
-    with prefect_server.lease(), ProcessPoolExecutor(jobs(len(work)), mp_context=context) as pool:
+    # in a warm build process the workers are forked from it, everything imported, when it has one thread (counted by
+    # the kernel: native pools too); else spawned (fresh interpreters)
+    context = get_context("fork" if daemon.WARM and daemon.threads() == 1 else "spawn")
+    with prefect_server.lease(), ProcessPoolExecutor(jobs(len(work)), mp_context=context,
+                                                     initializer=_die_with_parent) as pool:
         for f in as_completed([pool.submit(_worker_build, run_build, ov, config_dir) for ov in work]):
             r = f.result()
             report(r)

@@ -15,10 +15,10 @@ def tracking_uri() -> str:
 
 
 def seed_store(uri: str) -> None:
-    """A new SQLite tracking store starts from the migrated template database when there is one (flows/templates.py):
+    """A new SQLite tracking store starts from the migrated template database when there is one (flows/local/templates.py):
     MLflow then skips its table creation and migrations."""
     if uri.startswith("sqlite:///"):
-        from flows.templates import seed
+        from flows.local.templates import seed
 
         seed(Path(uri[len("sqlite:///"):]), "mlflow")
 
@@ -47,7 +47,7 @@ def use_experiment(name: str) -> str:
     """Point MLflow at the tracking store and the experiment `name`, creating it when missing; returns the URI."""
     import mlflow
 
-    from flows.locks import named_lock
+    from flows.local.locks import named_lock
 
     _quiet()
     uri = tracking_uri()
@@ -83,7 +83,7 @@ def warm(prefect: bool = False) -> None:
                 import prefect.flow_engine  # noqa: F401
                 import prefect.task_engine  # noqa: F401
                 timeline.mark("warm: prefect imported")
-            from flows.locks import named_lock
+            from flows.local.locks import named_lock
 
             uri = tracking_uri()
             if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
@@ -104,8 +104,21 @@ def warm(prefect: bool = False) -> None:
             if collecting:
                 gc.enable()
 
+    global _warming
     with_prefect = prefect
-    threading.Thread(target=work, name="trtforge-warm", daemon=True).start()
+    _warming = threading.Thread(target=work, name="trtforge-warm", daemon=True)
+    _warming.start()
+
+
+_warming = None  # the thread warm() started
+
+
+def warmed() -> None:
+    """Wait for warm()'s imports before this thread imports from the same libraries: two threads importing one
+    package at once see it partially initialized ("cannot import name 'SettingsContext' from partially initialized
+    module 'prefect.context'", seen opening builds' output)."""
+    if _warming is not None:
+        _warming.join()
 
 
 def _quiet() -> None:
@@ -163,13 +176,24 @@ def _sqlite_run(db: Path, run_id: str) -> dict | None:
     return {"status": row[0], "start_time": row[1], "deleted": row[2] != "active", "tags": tags}
 
 
+def _rest_auth() -> dict[str, str]:
+    """The credentials MLflow's own client sends to a tracking server (its basic-auth app, or a token)."""
+    import base64
+
+    user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
+    if user and password:
+        return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+    token = os.environ.get("MLFLOW_TRACKING_TOKEN")
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
 def _rest_run(uri: str, run_id: str) -> dict | None:
     import urllib.parse
     import urllib.request
 
     url = f"{uri.rstrip('/')}/api/2.0/mlflow/runs/get?{urllib.parse.urlencode({'run_id': run_id})}"
     try:
-        with urllib.request.urlopen(url, timeout=10) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=_rest_auth()), timeout=10) as r:
             run = json.loads(r.read())["run"]
     except (OSError, ValueError, KeyError):
         return None

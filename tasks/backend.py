@@ -95,9 +95,9 @@ def collecting_logger(trt):
                 self.messages.append((str(severity).rsplit(".", 1)[-1], msg))
 
         def errors(self) -> list[str]:
-            """Error messages without GPU-less driver noise (cudaError 35 on a host without a driver)."""
-            return [clean_message(m) for s, m in self.messages
-                    if s in ("ERROR", "INTERNAL_ERROR") and not NOISE.search(m)]
+            """Error messages without GPU-less driver noise (cudaError 35 on a host without a driver), each once."""
+            return unique(clean_message(m) for s, m in self.messages
+                          if s in ("ERROR", "INTERNAL_ERROR") and not NOISE.search(m))
 
     return Logger()
 
@@ -193,8 +193,11 @@ class Backend:
         builder, network, parser = self.parser(logger)
         if not parser.parse_from_file(model_path):
             errs = [parser.get_error(i) for i in range(parser.num_errors)]
-            detail = "; ".join(f"node {e.node_name() or e.node()} ({e.node_operator()}): {clean_message(e.desc())}"
-                               for e in errs[:5])
+            # the parser reports one failure at every level it passes (a node, the If or Loop around it, the graph):
+            # each reason once, under the first node that gave it
+            detail = "; ".join(unique((f"node {e.node_name() or e.node()} ({e.node_operator()}): " if e.node_operator()
+                                       else "") + reason for e, reason in
+                                      _first_per_reason((e, clean_message(e.desc())) for e in errs))[:5])
             ops = [e.node_operator() for e in errs if e.node_operator()]
             raise StageError(f"the TensorRT ONNX parser rejected the model: {detail or '; '.join(logger.errors())}",
                              stage=stage, file=model_path, fix=route_around(ops))
@@ -230,6 +233,21 @@ class Backend:
             return "unknown"
         validity, _ = runtime.get_engine_validity(engine)
         return str(validity).rsplit(".", 1)[-1]
+
+
+def unique(items) -> list:
+    """The items in their order, each once (empty ones dropped)."""
+    seen: set = set()
+    return [x for x in items if x and not (x in seen or seen.add(x))]
+
+
+def _first_per_reason(pairs):
+    """(error, reason) pairs, the first of each reason only."""
+    seen: set[str] = set()
+    for e, reason in pairs:
+        if reason and reason not in seen:
+            seen.add(reason)
+            yield e, reason
 
 
 def clean_message(msg: str) -> str:

@@ -107,10 +107,15 @@ def _network(path: Path, profile: dict, backend):
             for d, v in zip(dims, profile[inp.name]["opt"]):
                 d.Clear()
                 d.dim_value = int(v)
-    logger = trt.Logger(trt.Logger.ERROR)
+    from .backend import collecting_logger, unique
+
+    # TensorRT's own Logger prints every message straight to stderr (its "cudaError 35" lines on a host without a
+    # driver, and each parse error once per level it passes): collected instead, the causes kept once each
+    logger = collecting_logger(trt)
     builder, network, parser = backend.parser(logger)
     if not parser.parse(model.SerializeToString(), str(path)):
-        errs = "; ".join(cause(parser.get_error(i).desc()) for i in range(parser.num_errors))
+        errs = "; ".join(unique(cause(parser.get_error(i).desc()) for i in range(parser.num_errors))
+                         or logger.errors())
         raise StageError(f"the precision profile could not parse the graph at the opt shape: {errs}",
                          stage="build", file=str(path), fix="check the optimization profile's opt shapes")
     return network, (builder, parser, logger)

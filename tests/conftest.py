@@ -313,10 +313,10 @@ def audio_16bit(n: int, t: int = 256, seed: int = 0) -> np.ndarray:
 
 @pytest.fixture(scope="session", autouse=True)
 def stop_the_shared_prefect_server():
-    """Builds started by the tests share one local Prefect server (flows/server.py) under the session's PREFECT_HOME:
+    """Builds started by the tests share one local Prefect server (flows/local/server.py) under the session's PREFECT_HOME:
     stopped when the session ends, so nothing outlives the suite."""
     yield
-    from flows.server import shutdown
+    from flows.local.server import shutdown
 
     shutdown()
 
@@ -328,7 +328,7 @@ def stop_the_servers_a_test_started(request):
     tmp = request.getfixturevalue("tmp_path") if "tmp_path" in request.fixturenames else None  # (held past yield)
     yield
     if tmp is not None:
-        from flows.server import shutdown
+        from flows.local.server import shutdown
 
         for record in tmp.glob("*/trtforge-server.json"):
             shutdown(record.parent)

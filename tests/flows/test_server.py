@@ -1,4 +1,4 @@
-"""The shared local Prefect server (flows/server.py): builds reuse one instead of starting a temporary server each,
+"""The shared local Prefect server (flows/local/server.py): builds reuse one instead of starting a temporary server each,
 and a killed build leaves nothing running: the server stops by itself once no live build holds a lease."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.server import pid_alive, healthy
+from flows.local.server import pid_alive, healthy
 
 
 def cli(tmp: Path, conf: Path, *extra: str, env_extra: dict | None = None, wait: bool = True):
@@ -27,13 +27,13 @@ def cli(tmp: Path, conf: Path, *extra: str, env_extra: dict | None = None, wait:
 
 
 def server_processes(port: int) -> list[int]:
-    """The processes serving Prefect's API on that port: `python -m flows.prefect_api PORT` (how trtforge starts it),
+    """The processes serving Prefect's API on that port: `python -m flows.local.prefect_api PORT [FD]` (how trtforge starts it),
     or a `prefect server start --port PORT`."""
     out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
     pids = []
     for line in out.splitlines():
         pid, *args = line.split()
-        ours = "flows.prefect_api" in args and args[-1] == str(port)
+        ours = "flows.local.prefect_api" in args and args[args.index("flows.local.prefect_api") + 1:][:1] == [str(port)]
         if ours or ("prefect" in line and "server" in args and f"--port {port}" in line):
             pids.append(int(pid))
     return pids
@@ -46,6 +46,11 @@ def test_builds_share_one_local_server_and_a_killed_build_leaves_nothing_running
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     state = json.loads((tmp_path / "prefect" / "trtforge-server.json").read_text())
     assert healthy(state["url"])
+    from flows.local.net import status
+    from flows.local.server import auth_string
+
+    assert status(state["url"], "/admin/version", None) == 401  # the user's own: closed without the secret
+    assert status(state["url"], "/admin/version", auth_string()) == 200
     assert server_processes(state["port"]), "the leak check below cannot see the running server"
     second = cli(tmp_path, user_config_dir, "precision=fp16", env_extra=idle)
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
@@ -91,7 +96,7 @@ def test_a_command_with_bad_input_leaves_no_server_running(tmp_path, user_config
 def test_builds_run_their_flow_without_prefect_heartbeats_unless_the_user_wants_them(monkeypatch):
     from prefect.settings import get_current_settings
 
-    from flows.server import without_heartbeats
+    from flows.local.server import without_heartbeats
 
     monkeypatch.delenv("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", raising=False)
     monkeypatch.delenv("PREFECT_RUNNER_HEARTBEAT_FREQUENCY", raising=False)

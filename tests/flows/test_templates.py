@@ -1,4 +1,4 @@
-"""Migrated template databases (flows/templates.py): a new Prefect home or MLflow store starts from one made by the
+"""Migrated template databases (flows/local/templates.py): a new Prefect home or MLflow store starts from one made by the
 library's own code, works as one the library made itself, and nothing already there is ever overwritten. Real MLflow,
 a real `prefect server start`."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from flows import templates
+from flows.local import templates
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,7 +58,7 @@ def test_without_a_template_nothing_is_seeded(tmp_path, monkeypatch):
 
 PROBE = r"""
 import json, os, sys, time
-from flows import server
+from flows.local import server
 t = time.perf_counter(); server.begin(); began = time.perf_counter() - t
 db = server.home() / "prefect.db"
 seeded = db.is_file() and __import__("hashlib").sha256(db.read_bytes()).hexdigest()
@@ -75,7 +75,7 @@ def test_a_new_prefect_home_starts_from_the_template_and_builds_starting_at_once
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg"), "PREFECT_HOME": str(tmp_path / "prefect"),
            "PYTHONPATH": str(ROOT)}
     env.pop("PREFECT_API_URL", None)
-    made = subprocess.run([sys.executable, "-m", "flows.templates"], env=env, capture_output=True, text=True, timeout=300)
+    made = subprocess.run([sys.executable, "-m", "flows.local.templates"], env=env, capture_output=True, text=True, timeout=300)
     assert made.returncode == 0, made.stdout + made.stderr
     tpl = Path(env["XDG_CACHE_HOME"]) / "trtforge" / "templates"
     prefect_tpl = next(tpl.glob("prefect-*.db"))
@@ -93,7 +93,7 @@ def test_a_new_prefect_home_starts_from_the_template_and_builds_starting_at_once
         assert sha(prefect_tpl) in (res[0]["seeded"], res[1]["seeded"])
         starter = min(res, key=lambda r: r["began"])
         assert starter["began"] < 1.0 < starter["waited"], res  # begin() returned at once; ensure() waited
-        from flows.server import healthy
+        from flows.local.server import healthy
 
         assert healthy(res[0]["url"])
     finally:
@@ -101,7 +101,7 @@ def test_a_new_prefect_home_starts_from_the_template_and_builds_starting_at_once
 
         os.kill(res[0]["pid"], signal.SIGTERM)
         deadline = time.monotonic() + 30
-        from flows.server import pid_alive
+        from flows.local.server import pid_alive
 
         while pid_alive(res[0]["pid"]) and time.monotonic() < deadline:
             time.sleep(0.2)

@@ -169,3 +169,26 @@ def test_a_label_must_name_what_the_engine_computes():
     assert label_disagreement("int8", share(fp32=1.0))
     assert label_disagreement("fp8", share(fp16=0.5, int8=0.5))
     assert label_disagreement("fp16", None) is None  # no FLOPs estimated: nothing to disagree with
+
+
+def test_a_graph_the_profile_cannot_parse_says_why_once_and_prints_nothing_itself(tmp_path):
+    """TensorRT's own Logger printed every parser message (and "cudaError 35" on a host without a driver) straight
+    to the terminal, ahead of the build's output: the reason goes into the error, once, and nothing else is printed."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom pathlib import Path\nfrom tasks.backend import Backend\nfrom tasks import flops\n"
+            "from tests.conftest import make_conv_model\n"
+            f"p = make_conv_model(Path({str(tmp_path / 'custom.onnx')!r}), custom_op='Foo')\n"
+            "try:\n"
+            "    flops._network(p, {'x': {'min': [1, 3, 8, 8], 'opt': [2, 3, 16, 16], 'max': [4, 3, 32, 32]}},"
+            " Backend('tensorrt_rtx'))\n"
+            "except Exception as e:\n"
+            "    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       cwd=str(__import__("pathlib").Path(__file__).resolve().parents[2]))
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == ""  # nothing of TensorRT's own on the terminal
+    first = r.stdout.splitlines()[0]
+    assert "could not parse the graph at the opt shape" in first and "Plugin not found" in first
+    assert first.count("Plugin not found") == 1

@@ -2,7 +2,7 @@
 
 A new Prefect database costs its server about 6 s of migrations and block registration on first start (9 s instead of
 3 s), a new MLflow store about 1 s of table creation: every first build on a machine, in a new PREFECT_HOME or with a
-new tracking store paid them. `make setup` (and `python -m flows.templates`) makes each once, by the library's own
+new tracking store paid them. `make setup` (and `python -m flows.local.templates`) makes each once, by the library's own
 code (a real `prefect server start`; MLflow's SqlAlchemyStore), in `$XDG_CACHE_HOME/trtforge/templates` (default
 ~/.cache), named after the library's version: the schema a newer release wants is never served from an older template.
 Without a template (another install path, a wiped cache) nothing changes: the library migrates the new database itself.
@@ -75,17 +75,22 @@ def make_prefect(timeout: float = 120.0) -> Path:
     """Start `prefect server start` on a new database in a scratch PREFECT_HOME (it migrates and registers its
     block types as on any first start), stop it, keep the database."""
     with tempfile.TemporaryDirectory(prefix="trtforge-template-") as d:
-        from flows.net import free_port, healthy
-        from flows.prefect_api import server_command
+        import secrets
 
-        port = free_port()
+        from flows.local.net import healthy, reserve
+        from flows.local.prefect_api import server_command
+
+        sock = reserve()  # bound here, served by the server: never free in between
+        port = sock.getsockname()[1]
         env = {k: v for k, v in os.environ.items()
-               if k not in ("PREFECT_API_URL", "PREFECT_API_DATABASE_CONNECTION_URL",
+               if k not in ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING", "PREFECT_API_DATABASE_CONNECTION_URL",
                             "PREFECT_SERVER_DATABASE_CONNECTION_URL")}
-        env.update(PREFECT_HOME=d, PREFECT_SERVER_ANALYTICS_ENABLED="false")
+        # a secret for this one start: nobody else uses the scratch server while it migrates
+        env.update(PREFECT_HOME=d, PREFECT_SERVER_ANALYTICS_ENABLED="false",
+                   PREFECT_SERVER_API_AUTH_STRING=secrets.token_urlsafe(32))
         log = Path(d) / "server.log"
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(server_command(port),
+        with open(log, "wb") as out, sock:
+            proc = subprocess.Popen(server_command(port, sock.fileno()), pass_fds=(sock.fileno(),),
                                     env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
         try:
             t0 = time.monotonic()

@@ -1,17 +1,22 @@
-"""One local Prefect server shared by the builds of a machine, instead of a temporary server per build process.
+"""One local Prefect server shared by a user's builds, instead of a temporary server per build process.
 
 Without PREFECT_API_URL, Prefect 3 starts a temporary API server in a subprocess for every process that runs a flow:
 about 4-7 s each time (13 s on a new database), which dominated every small build, sweep entry and scheduled rebuild.
 Here the first build starts `prefect server start` on a free port of 127.0.0.1, detached, under a watchdog
-(`python -m flows.server serve`), records it in `$PREFECT_HOME/trtforge-server.json`, and every later build finds it
-there and only checks its health (milliseconds). The start is begun early (begin(): the CLI's first step, before its
+(`python -m flows.local.server serve`), records it in `$PREFECT_HOME/trtforge-server.json`, and every later build finds it
+there and only checks it (milliseconds). The port is bound by the build that chooses it and handed down to the server
+(no window in which another user could take it), and the API requires the user's secret (Prefect's own API
+authentication: PREFECT_SERVER_API_AUTH_STRING on the server, PREFECT_API_AUTH_STRING in the builds), kept in a 0600
+file in the user's private folder (flows/local/private.py); a recorded server is used only when the kernel says its
+listening socket is the user's and it refuses requests without the secret and accepts them with it. The start is begun early (begin(): the CLI's first step, before its
 imports, config and preflight) and waited for only when the flow begins (ensure()); a new Prefect home starts from a
-migrated template database (flows/templates.py). Each build holds a lease (a file named after its pid) while it runs;
+migrated template database (flows/local/templates.py). Each build holds a lease (a file named after its pid) while it runs;
 the watchdog stops the server once no live build has held a lease for TRTFORGE_SERVER_IDLE seconds (default 600). A
 killed build's lease dies with its pid, so nothing outlives builds for long.
 
-A user's PREFECT_API_URL always wins (e.g. `make serve`'s server, or a team's). TRTFORGE_PREFECT=ephemeral keeps
-Prefect's own per-process temporary server.
+A user's PREFECT_API_URL always wins (e.g. `make serve`'s server, or a team's; with the user's own
+PREFECT_API_AUTH_STRING). TRTFORGE_PREFECT=ephemeral keeps Prefect's own per-process temporary server (so does a
+private folder that is not private, with a warning).
 """
 from __future__ import annotations
 
@@ -25,12 +30,31 @@ import urllib.request
 from pathlib import Path
 from typing import Iterator
 
-from flows.locks import named_lock, pid_alive
-from flows.net import free_port, healthy  # noqa: F401  (healthy: also for callers of this module)
-from flows.prefect_api import server_command
+from flows.local import private
+from flows.local.locks import named_lock, pid_alive
+from flows.local.net import auth_header, authenticated, healthy, listener_uid, reserve  # noqa: F401  (healthy: also for callers)
+from flows.local.prefect_api import server_command
 
 IDLE_SECONDS = float(os.environ.get("TRTFORGE_SERVER_IDLE", "600"))
 STARTUP_SECONDS = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90"))
+
+
+# what begin() sets in a build's environment to point it at the shared server (not the user's own settings)
+POINTER_VARIABLES = ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING")
+SECRET_NAME = "prefect-api-auth"
+
+
+def auth_string() -> str:
+    """This user's secret for the local Prefect APIs trtforge starts (NotPrivate when its folder or file is not
+    private)."""
+    return private.secret(SECRET_NAME)
+
+
+def ours(st: dict, secret: str) -> bool:
+    """Whether the server of this record is this user's: its listening socket belongs to this user (asked before the
+    secret is sent) and it requires, and accepts, the secret."""
+    port = int(st.get("port", 0))
+    return listener_uid(port) == os.geteuid() and authenticated(st["url"], secret)
 
 
 def home() -> Path:
@@ -45,13 +69,18 @@ def lease_dir() -> Path:
     return home() / "trtforge-leases"
 
 
-def running() -> dict | None:
-    """The shared server's record when it answers, else None."""
+def running(secret: str | None = None) -> dict | None:
+    """The shared server's record when it answers and is this user's (ours()), else None."""
     try:
         st = json.loads(state_file().read_text())
     except (OSError, ValueError):
         return None
-    return st if pid_alive(int(st.get("pid", 0))) and healthy(st["url"]) else None
+    if not (pid_alive(int(st.get("pid", 0))) and healthy(st["url"])):
+        return None
+    try:
+        return st if ours(st, secret or auth_string()) else None
+    except private.NotPrivate:
+        return None
 
 
 @contextlib.contextmanager
@@ -96,16 +125,25 @@ def begin() -> bool:
 
         if get_current_settings().api.url:
             return False
+    try:
+        secret = auth_string()
+    except private.NotPrivate as e:
+        private.warn(e, "the build uses Prefect's own temporary server")
+        os.environ["TRTFORGE_PREFECT"] = "ephemeral"  # (its sweep workers too)
+        return False
     d = lease_dir()
     d.mkdir(parents=True, exist_ok=True)
     (d / str(os.getpid())).touch()  # this build uses the server from now on (lease() releases it)
-    st = running()
+    st = running(secret)
     if st is None:
         with named_lock(home(), "prefect-server"):  # two builds starting at once: one server
             st = _record()
+            if st is not None and healthy(st["url"], timeout=1.0) and not ours(st, secret):
+                st = None  # answering, but not this user's server (or not with this secret): a new one
             if st is None:
-                st, _spawned_by = spawn(), os.getpid()
+                st, _spawned_by = spawn(secret), os.getpid()
     os.environ["PREFECT_API_URL"] = st["url"]
+    os.environ["PREFECT_API_AUTH_STRING"] = secret
     _mine = st
     return True
 
@@ -121,6 +159,11 @@ def ensure() -> str | None:
     global _used
     _used = True
     return _mine["url"]
+
+
+def release_lease() -> None:
+    """This process no longer uses the shared server (a warm build process going idle: its builds take their own)."""
+    (lease_dir() / str(os.getpid())).unlink(missing_ok=True)
 
 
 def release_unused() -> None:
@@ -154,10 +197,10 @@ def wait(st: dict) -> None:
                                    fix="set PREFECT_API_URL to a running server, or TRTFORGE_PREFECT=ephemeral")
         time.sleep(0.1)
     if fresh:
-        _first_write(st["url"])
+        _first_write(st["url"], os.environ.get("PREFECT_API_AUTH_STRING"))
 
 
-def _first_write(url: str, seconds: float = 5.0) -> None:
+def _first_write(url: str, secret: str | None, seconds: float = 5.0) -> None:
     """The first write to a server that has just started: the flow every build creates first (`trtforge-build`),
     retried every 0.1 s while the server answers 503. Its start-up services hold SQLite's write lock for a moment
     after it answers /health; Prefect's client, meeting that with the first flow run, backs off for 2 s."""
@@ -167,7 +210,8 @@ def _first_write(url: str, seconds: float = 5.0) -> None:
     t0 = time.monotonic()
     while time.monotonic() - t0 < seconds:
         req = urllib.request.Request(f"{url.rstrip('/')}/flows/", data=body, method="POST",
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json",
+                                              **(auth_header(secret) if secret else {})})
         try:
             with urllib.request.urlopen(req, timeout=2.0):
                 return
@@ -180,11 +224,11 @@ def _first_write(url: str, seconds: float = 5.0) -> None:
 
 
 def seed_home() -> dict[str, str]:
-    """A new Prefect home's database starts from the migrated template when there is one (flows/templates.py): its
+    """A new Prefect home's database starts from the migrated template when there is one (flows/local/templates.py): its
     server then starts in about 3.5 s instead of 9. Not when the user names another database. Returns the settings
     for the server's first start on it: the template is this Prefect release's schema with its block types registered,
     so that start skips both checks (later starts make them as usual)."""
-    from flows.templates import seed
+    from flows.local.templates import seed
 
     if any(os.environ.get(k) for k in ("PREFECT_API_DATABASE_CONNECTION_URL", "PREFECT_SERVER_DATABASE_CONNECTION_URL")):
         return {}
@@ -194,18 +238,31 @@ def seed_home() -> dict[str, str]:
     return {k: v for k, v in skip.items() if k not in os.environ}
 
 
-def spawn() -> dict:
+def server_env(secret: str) -> dict[str, str]:
+    """The environment of a local server: the user's, with the API's secret, and no pointer at another server."""
+    env = {k: v for k, v in os.environ.items() if k not in POINTER_VARIABLES}
+    env["PREFECT_SERVER_API_AUTH_STRING"] = secret
+    return env
+
+
+def spawn(secret: str) -> dict:
     """Start the watchdog (which starts the server) detached from this process, and record it; nothing waits.
-    A new Prefect home starts from the migrated template database when there is one (flows/templates.py)."""
+    The port is bound here and handed down to the server. A new Prefect home starts from the migrated template
+    database when there is one (flows/local/templates.py)."""
     home().mkdir(parents=True, exist_ok=True)
     first = seed_home()
-    port = free_port()
+    sock = reserve()
+    port = sock.getsockname()[1]
     url = f"http://127.0.0.1:{port}/api"
     log = open(home() / "trtforge-server.log", "ab")
-    watchdog = subprocess.Popen([sys.executable, "-m", "flows.server", "serve", str(port)], stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                cwd=str(Path(__file__).resolve().parents[1]), env={**os.environ, "PREFECT_API_URL": "", **first})
-    log.close()
+    try:
+        watchdog = subprocess.Popen([sys.executable, "-m", "flows.local.server", "serve", str(port), str(sock.fileno())],
+                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, pass_fds=(sock.fileno(),),
+                                    cwd=str(Path(__file__).resolve().parents[2]), env={**server_env(secret), **first})
+    finally:
+        log.close()
+        sock.close()
     st = {"pid": watchdog.pid, "url": url, "port": port, "started": time.time()}
     tmp = state_file().with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(st))
@@ -251,13 +308,16 @@ def busy() -> bool:
     return live
 
 
-def serve(port: int) -> int:
-    """The watchdog: run `prefect server start` on 127.0.0.1:port; stop it after IDLE_SECONDS without a live lease."""
+def serve(port: int, fd: int | None = None) -> int:
+    """The watchdog: run the Prefect server on 127.0.0.1:port (on the socket `fd`, bound by the build that started
+    this); stop it after IDLE_SECONDS without a live lease."""
     import signal
 
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    server = subprocess.Popen(server_command(port), env=env,
-                              stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+    server = subprocess.Popen(server_command(port, fd), env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+                              pass_fds=(fd,) if fd is not None else ())
+    if fd is not None:
+        os.close(fd)  # the server holds it now
 
     def stop(*_):
         server.terminate()
@@ -308,9 +368,9 @@ def shutdown(prefect_home: Path | None = None) -> bool:
 
 if __name__ == "__main__":
     if len(sys.argv) >= 3 and sys.argv[1] == "serve":
-        sys.exit(serve(int(sys.argv[2])))
+        sys.exit(serve(int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else None))
     if len(sys.argv) >= 2 and sys.argv[1] == "stop":
         print("stopped" if shutdown() else "no server was running")
         sys.exit(0)
-    print("usage: python -m flows.server serve PORT | stop", file=sys.stderr)
+    print("usage: python -m flows.local.server serve PORT | stop", file=sys.stderr)
     sys.exit(2)

@@ -1,0 +1,672 @@
+"""The warm build process (opt-in: TRTFORGE_DAEMON=1, never under CI): `python -m flows.build` hands its build to a
+process that has Prefect, MLflow, ONNX, ONNX Runtime and TensorRT imported already, instead of importing them again.
+
+Like Gradle's daemon or a zygote: with TRTFORGE_DAEMON=1, the first CLI build runs in its own process and, once done,
+starts `python -m flows.local.daemon serve` detached; it imports everything once, with Prefect pointed at the user's
+shared local server (flows/local/server.py), and waits on a Unix socket in the user's private runtime folder
+(flows/local/private.py: $XDG_RUNTIME_DIR/trtforge, else ~/.cache/trtforge/run; owned by the user, mode 0700, checked
+with lstat before every use; a folder that is not private is refused with a one-line warning and the build runs in its
+own process). Both ends check the other's uid (SO_PEERCRED): only the user's own processes are served, and a CLI
+talks only to its own user's warm process. A request carries the build CLI's arguments, working directory,
+environment, start time and the caller's stdin/stdout/stderr; the warm process runs nothing else (one fixed entry:
+flows.build's CLI). It forks; the child runs the CLI exactly as a cold process would (flows.cli.finish: same output,
+exit status, SystemExit messages, death by the same signal), writing to the caller's terminal, in a process group of
+its own. The CLI forwards SIGINT, SIGTERM, SIGHUP, SIGQUIT and SIGTSTP/SIGCONT to that group (a sweep's workers too);
+the warm process reports how the child ended ("exit N" or "signal N") and the CLI ends the same way. When the CLI
+goes (even by SIGKILL), the warm process kills the build's group.
+
+A warm process serves one interpreter, one version of trtforge's code, one set of installed packages and the
+environment variables that shape a build (an allowlist: PREFECT_*, MLFLOW_*, TRTFORGE_*, CUDA/TensorRT/thread-pool
+settings, HOME, TMPDIR, ...; not a CI job id or a terminal's variables). At most TRTFORGE_DAEMON_MAX (3) run per
+user: starting another stops the least recently used. Each exits after TRTFORGE_DAEMON_IDLE seconds without builds
+(default TRTFORGE_SERVER_IDLE, 600), and holds no lease on the Prefect server while idle. It forks only while it has
+exactly one thread (counted in /proc/self/task: native pools too), which it keeps by importing with OpenBLAS at one
+thread and Arrow's jemalloc without its background thread (the child restores the BLAS thread count a cold process
+would have). Standard library only on the CLI's side, so that it costs a few milliseconds.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import hashlib
+import json
+import os
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from flows.local import private
+
+ROOT = Path(__file__).resolve().parents[2]
+IDLE_SECONDS = float(os.environ.get("TRTFORGE_DAEMON_IDLE") or os.environ.get("TRTFORGE_SERVER_IDLE") or "600")
+MAX_PER_USER = max(1, int(os.environ.get("TRTFORGE_DAEMON_MAX") or "3"))
+REQUEST_SECONDS = 5.0  # a connected client sends its request at once: one that stalls is dropped, not waited for
+ENTRY = "flows.build"  # the one thing a warm process runs: the build CLI (flows.build.cli)
+
+# what shapes a build made in a warm process: read while it imports (Prefect's settings, library loading, thread
+# pools, caches and temp folders) or at its start; everything else reaches the build with the caller's environment
+SHAPING_PREFIXES = ("TRTFORGE_", "PREFECT_", "MLFLOW_", "HYDRA_", "CUDA_", "NVIDIA_", "TRT_", "TENSORRT_",
+                    "POLYGRAPHY_", "ORT_", "OMP_", "OPENBLAS_", "GOTO_", "MKL_", "PYTHON")
+SHAPING_NAMES = ("HOME", "LD_LIBRARY_PATH", "LD_PRELOAD", "TMPDIR", "TEMP", "TMP", "XDG_CACHE_HOME", "XDG_CONFIG_HOME",
+                 "XDG_RUNTIME_DIR", "DO_NOT_TRACK", "MPLBACKEND", "MPLCONFIGDIR", "TZ", "LANG", "LC_ALL", "LC_CTYPE",
+                 "JE_ARROW_MALLOC_CONF", "ARROW_DEFAULT_MEMORY_POOL")
+# read by the build at run time from the caller's environment (sent with every request), or only by the CLI's side
+NOT_SHAPING = ("TRTFORGE_DAEMON", "TRTFORGE_DAEMON_IDLE", "TRTFORGE_DAEMON_MAX", "TRTFORGE_TIMELINE",
+               "TRTFORGE_TRACEBACK", "TRTFORGE_JOBS", "PYTHONUNBUFFERED")
+
+WARM = False  # True in a build forked from a warm process (a sweep then forks its workers too, when it may)
+
+
+def enabled(env=None) -> bool:
+    """TRTFORGE_DAEMON=1 (or true/yes/on) turns it on; never under CI (any CI value but ''/0/false/no)."""
+    env = os.environ if env is None else env
+    if env.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
+        return False
+    return env.get("TRTFORGE_DAEMON", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def shapes(name: str) -> bool:
+    return name not in NOT_SHAPING and (name in SHAPING_NAMES or name.startswith(SHAPING_PREFIXES))
+
+
+def identity(env=None) -> str:
+    """What a warm process depends on: interpreter, trtforge's code (size and mtime of every module), the installed
+    packages (site-packages' mtime changes with every install) and the variables that shape a build (shapes())."""
+    env = dict(os.environ if env is None else env)
+    h = hashlib.sha256(sys.executable.encode())
+    for d in ("flows", "tasks"):
+        for f in sorted((ROOT / d).rglob("*.py")):
+            st = f.stat()
+            h.update(f"{f.relative_to(ROOT)}:{st.st_size}:{st.st_mtime_ns}".encode())
+    for p in sys.path:
+        if p.endswith("site-packages") and os.path.isdir(p):
+            h.update(f"{p}:{os.stat(p).st_mtime_ns}".encode())
+    h.update(json.dumps({k: v for k, v in sorted(env.items()) if shapes(k)}).encode())
+    return h.hexdigest()[:20]
+
+
+def socket_path(ident: str) -> Path:
+    """Where the warm process of this identity listens (in the private runtime folder; not checked here)."""
+    return private.runtime_dir() / f"{ident}.sock"
+
+
+def peer_uid(conn: socket.socket) -> int:
+    """The uid of the process at the other end of a Unix socket, as the kernel says (SO_PEERCRED)."""
+    _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return uid
+
+
+def threads() -> int:
+    """This process's threads as the kernel counts them (native pools included, not only Python's)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        import threading
+
+        return threading.active_count()
+
+
+# --- the CLI's side --------------------------------------------------------------------------------------------
+
+class Refused(Exception):
+    """A socket or folder that is not this user's own: nothing is sent to it."""
+
+
+def delegate(argv: list[str]) -> int | None:
+    """Run the build CLI with argv in this user's warm process: its exit status (or this process dies by the signal
+    that ended the build), or None when there is none to run it (the caller runs the build itself; unless one is
+    starting, a warm process starts once the build is done)."""
+    if not enabled() or argv[:1] in (["-h"], ["--help"]):
+        return None
+    started = time.time()
+    try:
+        private.ensure(private.runtime_dir())
+    except private.NotPrivate as e:
+        private.warn(e, "the build runs in its own process")
+        return None
+    ident = identity()
+    path = socket_path(ident)
+    if len(os.fsencode(path)) > 100:  # a Unix socket's name has at most 107 bytes
+        return None
+    try:
+        conn = _connect(path)
+    except Refused as e:
+        print(f"trtforge: warning: {e}: the build runs in its own process", file=sys.stderr, flush=True)
+        return None
+    if conn is None:
+        if not _starting(path):
+            atexit.register(spawn, ident)
+        return None
+    with conn:
+        try:
+            request = json.dumps({"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "started": started})
+            socket.send_fds(conn, [request.encode() + b"\n"],
+                            [fd if _is_open(fd) else os.open(os.devnull, os.O_RDWR) for fd in (0, 1, 2)])
+            reader = conn.makefile("r")
+            first = reader.readline().split()
+            child = int(first[1]) if len(first) == 2 and first[0] == "pid" else None
+        except (OSError, ValueError):
+            child = None
+        if child is None or child <= 1:  # the warm process could not take it (stale, stopping): build here
+            return None
+        return _follow(reader, child)
+
+
+def _follow(reader, child: int) -> int:
+    """Forward signals to the build's process group until the warm process says how the build ended; end the same
+    way (exit status, or death by the same signal)."""
+    forwarded: list[int] = []
+
+    def forward(sig: int, _frame) -> None:
+        forwarded.append(sig)
+        _killpg(child, sig)
+
+    def suspend(_sig: int, _frame) -> None:  # Ctrl-Z: the build's group stops, then this CLI, as one job
+        _killpg(child, signal.SIGSTOP)  # (its group has no parent in this session: SIGTSTP would be discarded)
+        signal.signal(signal.SIGTSTP, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTSTP)
+        signal.signal(signal.SIGTSTP, suspend)  # (continued: `fg` / `bg`)
+        _killpg(child, signal.SIGCONT)
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, forward)
+    signal.signal(signal.SIGTSTP, suspend)
+    signal.signal(signal.SIGCONT, lambda *_: _killpg(child, signal.SIGCONT))
+    try:
+        last = reader.readline().split()
+    except OSError:
+        last = []
+    if len(last) == 2 and last[0] == "exit" and last[1].lstrip("-").isdigit():
+        return int(last[1])
+    if len(last) == 2 and last[0] == "signal" and last[1].isdigit():
+        die_by(int(last[1]))
+    if forwarded:  # the warm process went with the build: end as the signal this CLI got would have ended it
+        die_by(forwarded[-1])
+    print("trtforge: internal error: the warm build process ended without the build's exit status\n"
+          "  fix: rerun without TRTFORGE_DAEMON=1 to build in this process, and report it", file=sys.stderr)
+    return 1
+
+
+def die_by(sig: int):
+    """End this process by `sig`, as the build's process ended (the shell sees 128+sig)."""
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except (OSError, ValueError):
+            pass
+    try:
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    except (OSError, ValueError):
+        pass
+    os._exit(128 + sig)  # a signal that does not end a process (SIGCHLD, ...)
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except OSError:
+        pass
+
+
+def _is_open(fd: int) -> bool:
+    """A CLI started with a closed stdin (cron, CI) hands /dev/null in its place."""
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
+def _connect(path: Path) -> socket.socket | None:
+    """A connection to the warm process at `path` (None: nothing listens); Refused when another user's process
+    listens there."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(str(path))
+    except OSError:
+        conn.close()
+        return None
+    uid = peer_uid(conn)
+    if uid != os.geteuid():
+        conn.close()
+        raise Refused(f"{path} is served by uid {uid}, not by this user")
+    return conn
+
+
+def _starting(path: Path) -> bool:
+    """Whether a warm process for this socket is alive (still importing, or serving), or failed to serve (its
+    `.failed` mark: not started again for this identity)."""
+    if os.path.lexists(path.with_suffix(".failed")):
+        return True
+    try:
+        pid = int(private.read_private(path.with_suffix(".pid")) or 0)
+        if pid > 1:
+            os.kill(pid, 0)
+            return True
+    except OSError:
+        pass
+    return False
+
+
+def spawn(ident: str) -> None:
+    """Start a warm process for this identity, detached; nothing waits for it. At most MAX_PER_USER run: the least
+    recently used others are stopped."""
+    try:
+        rt = private.ensure(private.runtime_dir())
+    except private.NotPrivate:
+        return
+    path = socket_path(ident)
+    _make_room(rt, keep=path)
+    from flows.local import server
+
+    env = dict(os.environ)
+    if server.pointed():  # this build's own pointer at the shared server, not the user's: the warm process finds
+        for k in server.POINTER_VARIABLES:  # (or starts) the server itself
+            env.pop(k, None)
+    # single-threaded by construction (fork safety): the child restores the BLAS threads a cold process has
+    env.update(OPENBLAS_NUM_THREADS="1", JE_ARROW_MALLOC_CONF="background_thread:false")
+    try:
+        log = private.open_private(path.with_suffix(".log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    except OSError:
+        return
+    try:
+        subprocess.Popen([sys.executable, "-m", "flows.local.daemon", "serve", ident], stdin=subprocess.DEVNULL,
+                         stdout=log, stderr=log, start_new_session=True, cwd=str(ROOT), env=env)
+    finally:
+        os.close(log)
+
+
+def _make_room(rt: Path, keep: Path) -> None:
+    """Stop the least recently used warm processes of this user until a new one keeps them at MAX_PER_USER (a warm
+    process whose socket is gone exits within a second, once its builds are done)."""
+    socks = []
+    for s in rt.glob("*.sock"):
+        try:
+            socks.append((os.lstat(s).st_mtime, s))  # touched by every build it serves
+        except OSError:
+            pass
+    socks = sorted(x for x in socks if x[1] != keep)
+    for _, s in socks[:max(0, len(socks) - MAX_PER_USER + 1)]:
+        s.unlink(missing_ok=True)
+
+
+# --- the warm process ------------------------------------------------------------------------------------------
+
+# what builds import lazily, by stage (measured with sys.modules after builds); torch stays out (a torch export pays
+# its import: half a gigabyte held by every warm process otherwise), and so does ONNX Runtime (its import starts a
+# native thread, and a process with threads must not fork; the child imports it in about 0.1 s)
+WARM_MODULES = (
+    "hydra", "hydra.compose", "hydra.initialize", "hydra.core.global_hydra", "hydra._internal.config_loader_impl",
+    "hydra._internal.utils", "omegaconf",
+    "prefect", "prefect.flows", "prefect.tasks", "prefect.engine", "prefect.flow_engine", "prefect.task_engine",
+    "prefect.runtime", "prefect.runtime.flow_run", "prefect.client.orchestration", "prefect.concurrency.sync",
+    "prefect.cache_policies", "prefect.results", "anyio", "httpx",
+    "mlflow", "mlflow.tracking", "mlflow.entities", "mlflow.artifacts", "mlflow.store.tracking.sqlalchemy_store",
+    "mlflow.store.model_registry.sqlalchemy_store", "mlflow.store.db.utils", "sqlalchemy", "alembic",
+    "onnx", "onnx.shape_inference", "onnx.helper", "onnx.numpy_helper",
+    "onnxconverter_common", "onnxconverter_common.float16", "tensorrt_rtx_bindings", "numpy", "PIL.Image",
+    "matplotlib.pyplot", "graphviz", "rich.console", "rich.progress", "rich._emoji_codes", "yaml",
+)
+
+
+def warm_up() -> str | None:
+    """Import what a build uses, with Prefect pointed at the shared local server first (Prefect reads its API URL
+    when imported). Returns the server's URL (None: the user's PREFECT_API_URL or Prefect's own)."""
+    from flows.env import env_defaults
+
+    env_defaults()
+    from flows.local import server
+
+    url = server.ensure()  # (its lease is dropped once warm: an idle warm process keeps no server running)
+    import importlib
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    for d in ("flows", "tasks"):  # every stage and flow module (a build imports them lazily)
+        for f in sorted((ROOT / d).rglob("*.py")):
+            name = ".".join(f.relative_to(ROOT).with_suffix("").parts)
+            if f.stem != "__init__" and name != __name__ and name != "flows.local.daemon":
+                importlib.import_module(name)
+    for name in WARM_MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - an optional one (paddle, a backend) is simply not warm
+            pass
+    from flows.lazy import Deferred
+
+    for name, module in list(sys.modules.items()):  # Prefect's decorators applied to the flows and tasks
+        if name.startswith("flows."):
+            for obj in list(vars(module).values()):
+                if isinstance(obj, Deferred):
+                    obj.prefect()
+    _complete_models()
+    _draw_once()
+    try:
+        import threadpoolctl  # noqa: F401  (the child sets BLAS threads with it)
+    except ImportError:
+        pass
+    server.release_lease()
+    return url
+
+
+def _draw_once() -> None:
+    """One small figure with text, saved to memory: matplotlib loads its fonts on the first draw (report plots)."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(2, 1))
+    ax.plot([0, 1], [0, 1], label="warm")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(io.BytesIO(), format="png", dpi=50)
+    plt.close(fig)
+
+
+def _complete_models() -> None:
+    """Pydantic models that build their validators on first use (Prefect's client schemas: ~0.3 s in every build)."""
+    import pydantic
+
+    todo, seen = [pydantic.BaseModel], set()
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub not in seen:
+                seen.add(sub)
+                todo.append(sub)
+    for model in seen:
+        if not getattr(model, "__pydantic_complete__", True):
+            try:
+                model.model_rebuild()
+            except Exception:  # noqa: BLE001 - it completes on first use, as without a warm process
+                pass
+
+
+def serve(ident: str) -> int:
+    """Listen on the identity's socket; fork a child per request; exit after IDLE_SECONDS without a build."""
+    try:
+        rt = private.ensure(private.runtime_dir())
+    except private.NotPrivate as e:
+        print(f"trtforge daemon: {e}; not serving", flush=True)
+        return 1
+    path = socket_path(ident)
+    pidfile = path.with_suffix(".pid")
+    private.write_private(pidfile, str(os.getpid()))
+    code = 1
+    try:
+        code = _serve(rt, path, warm_up())
+        return code
+    finally:
+        if private.read_private(pidfile) == str(os.getpid()):
+            pidfile.unlink(missing_ok=True)
+            if code == 0:  # an idle or stopped warm process leaves nothing behind (a failed one keeps its log)
+                path.with_suffix(".log").unlink(missing_ok=True)
+            else:  # and is not started again for this identity (`python -m flows.local.daemon stop` clears it)
+                private.write_private(path.with_suffix(".failed"), str(code))
+
+
+def _serve(rt: Path, path: Path, url: str | None) -> int:
+    n = threads()
+    if n != 1:  # forking a process with other threads is unsafe: do not serve
+        print(f"trtforge daemon: {n} threads after the imports (/proc/self/task); not serving", flush=True)
+        return 1
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    listener.bind(str(tmp))
+    os.replace(tmp, path)  # the newest warm process of an identity takes over its name
+    mine = os.lstat(path).st_ino
+    listener.listen(16)
+    listener.setblocking(False)
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ, ("listen", None))
+    pending: dict[socket.socket, float] = {}  # accepted, request not read yet: until when it may come
+    builds: dict[int, tuple[socket.socket, int]] = {}  # pid -> (the CLI's connection, a pidfd)
+    last = time.monotonic()
+    try:
+        while True:
+            if not builds and not pending and (time.monotonic() - last > IDLE_SECONDS or not _still_mine(path, mine)
+                                               or private.problem(rt)):
+                return 0
+            for key, _ in sel.select(timeout=1.0):
+                kind, data = key.data
+                if kind == "listen":
+                    try:
+                        conn, _ = listener.accept()
+                    except OSError:
+                        continue
+                    uid = peer_uid(conn)
+                    if uid != os.geteuid():
+                        print(f"{time.strftime('%H:%M:%S')} refused a connection from uid {uid}", flush=True)
+                        conn.close()
+                        continue
+                    pending[conn] = time.monotonic() + REQUEST_SECONDS
+                    sel.register(conn, selectors.EVENT_READ, ("request", None))
+                elif kind == "request":
+                    conn = key.fileobj
+                    sel.unregister(conn)
+                    pending.pop(conn, None)
+                    got = _receive(conn)
+                    if got is None:
+                        conn.close()
+                        continue
+                    request, fds = got
+                    if (url and not _healthy(url)) or threads() != 1:  # the shared server is gone (or a thread
+                        for fd in fds:                                   # appeared): let the CLI build itself
+                            os.close(fd)
+                        conn.close()
+                        if url and not _healthy(url):
+                            return 0
+                        continue
+                    others = [listener, *pending, *(c for c, _ in builds.values()), *(p for _, p in builds.values())]
+                    pid = os.fork()
+                    if pid == 0:
+                        sel.close()
+                        _child(conn, fds, request, others)  # never returns
+                    with contextlib.suppress(OSError):
+                        os.setpgid(pid, pid)  # (the child does too: whichever runs first, the CLI may signal it)
+                    _lease(pid)
+                    for fd in fds:
+                        os.close(fd)
+                    pidfd = os.pidfd_open(pid)
+                    builds[pid] = (conn, pidfd)
+                    sel.register(pidfd, selectors.EVENT_READ, ("exit", pid))
+                    sel.register(conn, selectors.EVENT_READ, ("client", pid))
+                    with contextlib.suppress(OSError):
+                        conn.sendall(f"pid {pid}\n".encode())
+                        os.utime(path, follow_symlinks=False)  # recently used (the per-user cap stops the oldest)
+                    print(f"{time.strftime('%H:%M:%S')} build {pid}: {' '.join(request['argv'])} (in {request['cwd']})",
+                          flush=True)  # the warm process's log
+                elif kind == "client":  # the CLI closed its end before the build ended: it is gone, so is the build
+                    if data not in builds:
+                        continue
+                    with contextlib.suppress(OSError):
+                        if key.fileobj.recv(1024, socket.MSG_DONTWAIT):
+                            continue
+                    with contextlib.suppress(KeyError, ValueError):
+                        sel.unregister(key.fileobj)
+                    _killpg(data, signal.SIGKILL)
+                elif kind == "exit":
+                    conn, pidfd = builds.pop(data)
+                    sel.unregister(pidfd)
+                    os.close(pidfd)
+                    with contextlib.suppress(KeyError, ValueError):
+                        sel.unregister(conn)
+                    _, status = os.waitpid(data, 0)
+                    line = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit {os.waitstatus_to_exitcode(status)}"
+                    with contextlib.suppress(OSError):
+                        conn.sendall(f"{line}\n".encode())
+                    conn.close()
+                    last = time.monotonic()
+            now = time.monotonic()
+            for conn, deadline in list(pending.items()):  # a client that connected and said nothing
+                if now > deadline:
+                    pending.pop(conn)
+                    sel.unregister(conn)
+                    conn.close()
+    finally:
+        if _still_mine(path, mine):
+            path.unlink(missing_ok=True)
+
+
+def _receive(conn: socket.socket) -> tuple[dict, list[int]] | None:
+    """The request (one JSON line) and the caller's three descriptors; None when it is not one."""
+    fds: list[int] = []
+    try:
+        conn.settimeout(REQUEST_SECONDS)
+        msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        deadline = time.monotonic() + REQUEST_SECONDS
+        while msg and not msg.endswith(b"\n") and time.monotonic() < deadline:
+            more = conn.recv(1 << 20)
+            if not more:
+                break
+            msg += more
+        request = json.loads(msg.decode())
+        ok = (isinstance(request, dict) and isinstance(request.get("argv"), list)
+              and all(isinstance(a, str) for a in request["argv"]) and isinstance(request.get("cwd"), str)
+              and isinstance(request.get("env"), dict)
+              and all(isinstance(k, str) and isinstance(v, str) for k, v in request["env"].items()))
+        if ok and len(fds) == 3:
+            conn.settimeout(None)
+            return request, fds
+    except (OSError, ValueError):
+        pass
+    for fd in fds:
+        os.close(fd)
+    return None
+
+
+def _lease(pid: int) -> None:
+    """The build's lease on the shared Prefect server, from its first instant (its own lease() takes it over)."""
+    from flows.local import server
+
+    with contextlib.suppress(OSError):
+        server.lease_dir().mkdir(parents=True, exist_ok=True)
+        (server.lease_dir() / str(pid)).touch()
+
+
+def _still_mine(path: Path, inode: int) -> bool:
+    """Whether the socket's name is still this process's (a newer warm process of the identity, or stop, takes it)."""
+    try:
+        return os.lstat(path).st_ino == inode
+    except OSError:
+        return False
+
+
+def _healthy(url: str) -> bool:
+    from flows.local import server
+
+    return server.healthy(url, timeout=2.0)
+
+
+def _child(conn: socket.socket, fds: list[int], request: dict, others: list) -> None:
+    """The build, as the CLI would have run it, in the caller's directory, environment and terminal."""
+    import io
+
+    try:
+        os.setpgid(0, 0)  # its own group: the CLI's signals reach it and everything it starts
+        atexit._clear()  # the warm process's exit handlers are not the build's
+        for o in others:
+            with contextlib.suppress(OSError):
+                o.close() if hasattr(o, "close") else os.close(o)
+        conn.close()  # the warm process reports how this build ends
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGTSTP, signal.SIGCONT, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
+        for fd, std in zip(fds, (0, 1, 2)):
+            os.dup2(fd, std)
+            os.close(fd)
+        sys.stdin = io.TextIOWrapper(os.fdopen(0, "rb", closefd=False), encoding="utf-8")
+        sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", closefd=False), encoding="utf-8", line_buffering=True)
+        sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", closefd=False), encoding="utf-8", line_buffering=True)
+        os.chdir(request["cwd"])
+        from flows.local import server
+
+        pointer = {k: os.environ[k] for k in server.POINTER_VARIABLES if k in os.environ}  # the shared server
+        os.environ.clear()
+        os.environ.update(request["env"])
+        from flows.env import env_defaults
+
+        env_defaults()
+        if "PREFECT_API_URL" not in os.environ:
+            os.environ.update(pointer)
+        _blas_threads()
+        sys.argv = [sys.argv[0], *request["argv"]]
+        global WARM
+        WARM = True
+        import importlib
+
+        importlib.import_module(ENTRY).cli(request["argv"], started=request.get("started"))  # never returns
+    except BaseException as e:  # noqa: BLE001 - reported as the CLI reports an internal error
+        with contextlib.suppress(OSError):
+            print(f"trtforge: internal error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def _blas_threads() -> None:
+    """The OpenBLAS threads a cold process would start with (the warm process imported numpy with one)."""
+    n = 0
+    for k in ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS"):
+        v = os.environ.get(k, "").strip()
+        if v.isdigit() and int(v) > 0:
+            n = int(v)
+            break
+    n = n or len(os.sched_getaffinity(0))
+    if n > 1:
+        try:
+            from threadpoolctl import threadpool_limits
+
+            threadpool_limits(n, user_api="blas")
+        except Exception:  # noqa: BLE001 - one BLAS thread: slower, same results
+            pass
+
+
+def served(env: dict[str, str]) -> int:
+    """How many builds the warm process of this environment has served (its log; for benchmarks and tests)."""
+    text = private.read_private(socket_path(identity(env)).with_suffix(".log"))
+    return sum(" build " in line for line in text.splitlines())
+
+
+def wait_serving(env: dict[str, str], timeout: float = 120.0) -> float | None:
+    """Wait until a warm process serves this environment: the seconds waited, or None when none came."""
+    sock, t0 = socket_path(identity(env)), time.monotonic()
+    while not sock.exists():
+        if time.monotonic() - t0 > timeout:
+            return None
+        time.sleep(0.1)
+    return time.monotonic() - t0
+
+
+def stop(env: dict[str, str]) -> None:
+    """Stop the warm process of this environment (without its socket it exits within a second)."""
+    socket_path(identity(env)).unlink(missing_ok=True)
+
+
+def stop_all() -> int:
+    """Stop every warm process of this user (tests, `make clean`): a warm process whose socket is gone exits within a
+    second, once its builds are done; failure marks are cleared. Returns how many there were."""
+    rt = private.runtime_dir()
+    if private.problem(rt):
+        return 0
+    for mark in rt.glob("*.failed"):
+        mark.unlink(missing_ok=True)
+    socks = list(rt.glob("*.sock"))
+    for sock in socks:
+        sock.unlink(missing_ok=True)
+    return len(socks)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "serve":
+        sys.exit(serve(sys.argv[2]))
+    if len(sys.argv) == 2 and sys.argv[1] == "stop":
+        print(f"stopped {stop_all()} warm build process(es)")
+        sys.exit(0)
+    print("usage: python -m flows.local.daemon serve IDENTITY | stop", file=sys.stderr)
+    sys.exit(2)

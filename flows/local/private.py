@@ -1,0 +1,138 @@
+"""Folders and files that only this user can reach: where the warm build process's socket, log and pid file live
+(runtime_dir), and where the local Prefect API's secret is kept (secret_dir, secret).
+
+A folder is private when `lstat` says it is a folder (not a link), owned by this user, with no group or other bits,
+and its parent cannot be swapped under it by another user (owned by this user or root, and not writable by others
+unless sticky). It is checked before every use: a folder another user made first (a squatter who could plant a
+listener, or links at the names written here) is refused, never repaired. Files are opened without following links.
+Standard library only.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import stat
+import sys
+from pathlib import Path
+
+
+class NotPrivate(Exception):
+    """A folder or file that another user could read or change; its message is one line naming it and why."""
+
+
+def cache_base() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser()
+
+
+def runtime_dir() -> Path:
+    """Where sockets and pid files live: $XDG_RUNTIME_DIR/trtforge, else ~/.cache/trtforge/run (not checked here)."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    return Path(xdg) / "trtforge" if xdg else cache_base() / "trtforge" / "run"
+
+
+def secret_dir() -> Path:
+    """Where secrets shared by this user's builds live (outlives a login, unlike $XDG_RUNTIME_DIR): not checked."""
+    return cache_base() / "trtforge" / "private"
+
+
+def problem(path: Path) -> str | None:
+    """Why `path` is not a private folder of this user (None: it is)."""
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a folder"
+    if st.st_uid != os.geteuid():
+        return f"belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})"
+    if st.st_mode & 0o077:
+        return f"has mode {stat.S_IMODE(st.st_mode):04o}, not 0700"
+    try:
+        parent = os.stat(path.parent)
+    except OSError as e:
+        return f"has a parent that cannot be read ({e.strerror})"
+    if parent.st_uid not in (0, os.geteuid()):
+        return f"is in {path.parent}, which belongs to uid {parent.st_uid}"
+    if parent.st_mode & 0o022 and not parent.st_mode & stat.S_ISVTX:
+        return f"is in {path.parent}, which other users can write to"
+    return None
+
+
+def ensure(path: Path) -> Path:
+    """`path` as a private folder of this user, made (mode 0700) when missing; NotPrivate when it is not private."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise NotPrivate(f"{path} cannot be made ({e.strerror})") from None
+    why = problem(path)
+    if why:
+        raise NotPrivate(f"{path} {why}")
+    return path
+
+
+def warn(e: NotPrivate, what: str) -> None:
+    """One line on stderr: the folder refused, why, and what happens instead."""
+    print(f"trtforge: warning: {e}: {what}; fix: remove it, or make it yours with mode 0700", file=sys.stderr,
+          flush=True)
+
+
+def open_private(path: Path, flags: int) -> int:
+    """os.open without following a link at `path` (O_NOFOLLOW), mode 0600 when created, close-on-exec."""
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+
+
+def read_private(path: Path) -> str:
+    """The text of a file in a private folder, never through a link ('' when missing or unreadable)."""
+    try:
+        fd = open_private(path, os.O_RDONLY)
+    except OSError:
+        return ""
+    with os.fdopen(fd) as f:
+        return f.read()
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a file in a private folder as one rename: a link planted at its name is replaced, never followed."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    with open(open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def secret(name: str) -> str:
+    """A random secret kept in `secret_dir()/name` (0600), made on first use and shared by this user's processes;
+    NotPrivate when that folder or file is not private."""
+    d = ensure(secret_dir())
+    path = d / name
+    for _ in range(2):
+        try:
+            fd = open_private(path, os.O_RDONLY)
+        except FileNotFoundError:
+            tmp = d / f".{name}.{os.getpid()}"
+            try:
+                with open(open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "w") as f:
+                    f.write(secrets.token_urlsafe(32))
+                os.link(tmp, path)  # never over one another process made first: every process gets the same secret
+            except FileExistsError:
+                pass
+            finally:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+            continue
+        except OSError as e:
+            raise NotPrivate(f"{path} cannot be read without following a link ({e.strerror})") from None
+        with os.fdopen(fd) as f:
+            st = os.fstat(f.fileno())
+            if st.st_uid != os.geteuid() or st.st_mode & 0o077 or not stat.S_ISREG(st.st_mode):
+                raise NotPrivate(f"{path} is not a file of this user with mode 0600")
+            value = f.read().strip()
+        if value:
+            return value
+        raise NotPrivate(f"{path} is empty")
+    raise NotPrivate(f"{path} could not be made")
