@@ -31,7 +31,7 @@ def restore_search(layers: list[str], meets: Callable[[list[str]], bool], harm: 
                    flops: dict[str, float] | None = None, refine: int = 24,
                    refine_share: float = 0.005) -> tuple[list[str], int]:
     """The layers to quantize, searched from every layer quantized towards fewer (the other direction of
-    ``budget_search``): layers are restored to the high precision in order of ``harm`` (the accuracy a layer costs,
+    the former budget search): layers are restored to the high precision in order of ``harm`` (the accuracy a layer costs,
     measured or estimated) per FLOP kept out of the quantized type, most harmful first; the shortest restored prefix
     whose complement ``meets`` the budget is found by binary search (log2 of the layer count judged runs); then the
     restored layers that carry at least ``refine_share`` of the FLOPs (up to ``refine``), most FLOPs first, are tried
