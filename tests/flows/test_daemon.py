@@ -179,13 +179,13 @@ def test_ctrl_c_ctrl_z_and_sigterm_mid_build_end_it_the_same_way_warm_or_cold(bo
         os.killpg(proc.pid, signal.SIGCONT)
         wait_for(lambda: state(build) not in ("T", "X"), 30, f"{mode}: the build did not continue")
         os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(timeout=120)
+        proc.wait(timeout=300)
         wait_for(lambda: gone(procs), 60, f"{mode}: the build outlived Ctrl-C")
         interrupted = (proc.returncode, tail(proc.stderr.read()))
         # `kill PID`: SIGTERM to the CLI alone
         proc, build, procs = long_build(w, "target=sm_89")
         proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=120)
+        proc.wait(timeout=300)
         wait_for(lambda: gone(procs), 60, f"{mode}: the build outlived SIGTERM")
         terminated = proc.returncode
         # a CLI killed outright takes its build with it
