@@ -62,9 +62,7 @@ def restore_search(layers: list[str], meets: Callable[[list[str]], bool], harm: 
             hi = mid
         else:
             lo = mid
-    restored = set(order[:hi])
-    if hi == len(order):
-        return [], runs
+    restored = set(order[:hi])  # everything, when no prefix met the target: the large layers are still tried below
     total = sum(flops.get(n) or 0.0 for n in layers) or 1.0
     big = [n for n in restored if (flops.get(n) or 0.0) >= refine_share * total]
     for n in sorted(big, key=lambda n: -(flops.get(n) or 0.0))[:refine]:
