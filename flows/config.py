@@ -223,7 +223,7 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> "BuildInputs":
             limit = cal.samples + MAX_SEARCH + MAX_VALIDATION if key == "calibration.data" else None
             user[key] = as_user_data(key, load_data(path, inputs, profiles, key, limit=limit, rules=rules))
     data = split_data(inputs=inputs, profiles=profiles, rules=rules, calibrate=calibrates,
-                      search=calibrates and bool(cal.search), validate=bool(cfg.stages.validate),
+                      search=(calibrates or p.name == "fp16") and bool(cal.search), validate=bool(cfg.stages.validate),
                       calibration_data=user.get("calibration.data"), validation_data=user.get("validation.data"),
                       recipe=OmegaConf.to_container(m.images) if m.images is not None else None,
                       calibration_samples=cal.samples, validation_samples=cfg.validation.samples, seed=cfg.seed,

@@ -145,6 +145,8 @@ def _build_engines(ctx: BuildContext) -> StageResult:
     from tasks.graph import load_onnx
     from tasks.precision import fp16_hazards_from_data
     from tasks.prequant import precision_for
+    from tasks.search import search_target
+    from tasks.segments import segment_feeds
 
     t, q = ctx.cfg.target, prequantized(ctx)  # a quantized model keeps it; its float part is what precision says
     p = ctx.cfg.precision
@@ -152,19 +154,44 @@ def _build_engines(ctx: BuildContext) -> StageResult:
     segs = trt_segments(ctx)
     # fp16: what the user's data holds decides which nodes stay fp32 (values beyond fp16's safe range)
     ranged = (ctx.data.calibration or ctx.data.validation) if precision == "fp16" else None
+    # fp16 under the accuracy budget: nodes kept fp32 until the search's held-out samples meet its target
+    held = ctx.data.search if precision == "fp16" and p.name == "fp16" and ctx.cfg.calibration.search else None
+    target = search_target(ctx.cfg.accuracy.min_cosine, ctx.cfg.calibration.budget_margin, held.samples) \
+        if held is not None else None
     parts = {"segments": [(sha256_file(s["onnx"]), s["profiles"]) for s in segs], "precision": precision, "label": label,
              "build": ctx.c("build"), "backend": ctx.backend.version, "compute_capability": t.compute_capability,
-             "range_data": ranged.key if ranged else None}
+             "range_data": ranged.key if ranged else None, "search": held.key if held else None, "target": target}
 
     def work(d: Path) -> StageResult:  # values beyond fp16's safe range: one run of the whole model (segments keep names)
-        keep, cancel = fp16_hazards_from_data(load_onnx(ctx.results["export"].files["onnx"]), ranged.feeds,
-                                              ctx.cfg.build.fp16_data_max) if ranged else (None, None)
+        keep, cancel, tiny = fp16_hazards_from_data(load_onnx(ctx.results["export"].files["onnx"]), ranged.feeds,
+                                                    ctx.cfg.build.fp16_data_max, underflow=True) \
+            if ranged else (None, None, None)
+        plan, model = ctx.results["partition"].details, ctx.results["export"].files["onnx"]
+
+        def search(i: int) -> dict | None:
+            if held is None:
+                return None
+            return {"feeds": segment_feeds(model, plan, i, held.feeds), "target": target, "samples_text":
+                    f"held-out samples ({held.source})", "budget": ctx.cfg.accuracy.min_cosine}
+
         convs = {s["index"]: onnx_at_precision(s["onnx"], precision, d / f"{ctx.cfg.model.name}.{t.name}.{label}{s['name']}.onnx",
-                                               keep, cancel) for s in segs}
+                                               keep, cancel, tiny, search(s["index"])) for s in segs}
         r = engines_for(ctx, segs, {i: c.files["onnx"] for i, c in convs.items()}, label, precision, d, "build")
         for i, c in convs.items():
             r.files[f"onnx{i}"] = c.files["onnx"]
             add_metrics(r.metrics, c.metrics, ("convert_seconds",))
+        searched = [(i, c) for i, c in convs.items() if "fp16_search" in c.details]
+        if searched:  # the search's figures under its own names (int8's keys), the lowest segment's cosine
+            r.metrics["fallback_layers"] = sum(c.metrics["fallback_layers"] for _, c in searched)
+            r.metrics["search_runs"] = sum(c.metrics["search_runs"] for _, c in searched)
+            r.metrics["search_samples"] = max(c.metrics["search_samples"] for _, c in searched)
+            for k in ("search_cosine_worst_feed", "search_cosine_fp16"):
+                r.metrics[k] = min(c.metrics[k] for _, c in searched)
+            from tasks.report import sensitivity_report
+            r.files.update(sensitivity_report([
+                {"segment": i, "method": "fp16 accuracy search (nodes ranked by error growth)", "precision": "fp16",
+                 "fallback": list(c.details["fp16_search"]["kept"]), **c.details["fp16_search"]}
+                for i, c in searched], d))
         r.details.update(conversion=[c.details for c in convs.values()], precision=precision)
         return r
 
@@ -176,6 +203,19 @@ def _build_engines(ctx: BuildContext) -> StageResult:
     if kept:
         ctx.warn("build", f"{kept} nodes kept in fp32: their values exceed fp16's safe range (|x| > "
                           f"build.fp16_data_max={ctx.cfg.build.fp16_data_max:g}) on {ranged.source}")
+    flushed = sum(len(c.get("data_underflow") or {}) for c in r.details.get("conversion", []))
+    if flushed:
+        ctx.warn("build", f"{flushed} nodes kept in fp32: their values lie mostly below fp16's normal range (|x| < "
+                          f"6.1e-5, which fp16 holds as subnormals or flushes to zero) on {ranged.source}")
+    found = [c["fp16_search"] for c in r.details.get("conversion", []) if c.get("fp16_search")]
+    kept_by_search = {n: v for f in found for n, v in f["kept"].items()}
+    if kept_by_search:
+        worst = sorted(kept_by_search, key=lambda n: -kept_by_search[n])[:5]
+        ctx.stages.setdefault("build", {})["note"] = (
+            f"fp16 accuracy search: {len(kept_by_search)} node{'s' if len(kept_by_search) > 1 else ''} kept in fp32 "
+            f"({', '.join(worst)}{' …' if len(kept_by_search) > 5 else ''}): worst held-out sample "
+            f"{min(f['cosine_fp16'] for f in found):.6f} -> {r.metrics['search_cosine_worst_feed']:.6f} (target "
+            f"{target:.6g}, {r.metrics['search_samples']} samples of {held.source}, onnxruntime emulation of fp16)")
     cancelled = [c.get("cancellation") or {} for c in r.details.get("conversion", [])]
     if any(cancelled):
         worst = max(v for c in cancelled for v in c.values())

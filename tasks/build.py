@@ -46,10 +46,13 @@ def same_graph(a: Path, b: Path) -> bool:
 
 
 def onnx_at_precision(fp32_path: Path, precision: str, out_path: Path, keep_fp32: dict[str, float] | None = None,
-                      cancel_fp32: dict[str, float] | None = None) -> StageResult:
+                      cancel_fp32: dict[str, float] | None = None, tiny_fp32: dict[str, float] | None = None,
+                      search: dict | None = None) -> StageResult:
     """Precision is a property of the graph (strongly typed networks): "as_is" (a model that arrived quantized, as
     shipped), fp32 (a model that works in fp16 computed in fp32: its fp16 weights and casts upcast), fp16 converted
-    (``keep_fp32``, ``cancel_fp32``: values whose nodes stay fp32, tasks.precision.fp16_hazards_from_data)."""
+    (``keep_fp32``, ``cancel_fp32``, ``tiny_fp32``: values whose nodes stay fp32, tasks.precision.fp16_hazards_from_data).
+    ``search`` (fp16): {"feeds", "target", "samples_text", "budget"}: the nodes to keep fp32 until the held-out samples
+    meet the target (tasks.fp16search)."""
     t0 = time.perf_counter()
     if precision == "as_is":
         shutil.copyfile(fp32_path, out_path)
@@ -74,10 +77,23 @@ def onnx_at_precision(fp32_path: Path, precision: str, out_path: Path, keep_fp32
                          stage="build")
     from .precision import fp16_from_onnx
 
-    try:
-        model, stats = fp16_from_onnx(onnx.load(str(fp32_path)), keep_fp32, cancel_fp32)
-    except Exception as e:
-        raise StageError(f"fp16 conversion failed: {type(e).__name__}: {e}", stage="build", file=str(fp32_path)) from e
+    source = onnx.load(str(fp32_path))
+
+    def convert(keep_nodes: dict[str, float]):
+        try:
+            return fp16_from_onnx(source, keep_fp32, cancel_fp32, tiny_fp32, keep_nodes)
+        except Exception as e:
+            raise StageError(f"fp16 conversion failed: {type(e).__name__}: {e}", stage="build",
+                             file=str(fp32_path)) from e
+
+    if search and search.get("feeds"):
+        from .fp16search import fp16_within_budget
+
+        r = fp16_within_budget(fp32_path, out_path, search["feeds"], search["target"], convert=convert,
+                               samples_text=search.get("samples_text", "held-out samples"), budget=search.get("budget"))
+        r.metrics["convert_seconds"] = time.perf_counter() - t0
+        return r
+    model, stats = convert({})
     save_onnx(model, out_path)
     return StageResult(files={"onnx": out_path}, metrics={"convert_seconds": time.perf_counter() - t0}, details=stats)
 

@@ -165,6 +165,42 @@ def split_data(*, inputs: list[TensorInfo], profiles: list[dict], rules: ShapeRu
             if search:
                 split.search = gen.search()
 
+    elif search:  # a build that does not calibrate (fp16) but searches: its own held-out samples, none validates
+        if calibration_data is not None:
+            units = _units(calibration_data.feeds, profiles)
+            n = len(units)
+            order = list(np.random.default_rng(seed).permutation(n))
+            own_validation = not validate or split.validation is not None
+            n_search = min(MAX_SEARCH, n if own_validation else math.ceil(n * HOLD_OUT_SHARE)) \
+                if own_validation or n >= 2 else 0
+            if n_search:
+                split.search = _from_user(calibration_data, "search", _batches(
+                    [units[i] for i in sorted(order[:n_search])], inputs, profiles), inputs, profiles,
+                    held=(0, n_search) if not own_validation else (0, 0))
+                if not own_validation:
+                    split.validation = _from_user(
+                        calibration_data, "validation", _batches([units[i] for i in sorted(order[n_search:])], inputs,
+                                                                 profiles), inputs, profiles, held=(n - n_search, 0),
+                        notes=["the build does not calibrate: the calibration data validates it, less the samples "
+                               "held out for the fp16 accuracy search"])
+            else:
+                split.search = gen.search()
+                split.notes.append(f"calibration.data holds {n} sample: too few to hold one out for the fp16 accuracy "
+                                   "search, which judges on generated inputs")
+        else:
+            files = gen.image_files()
+            if files is not None and len(files) >= 3 and validate and split.validation is None:
+                n = len(files)
+                order = [files[i] for i in np.random.default_rng(seed).permutation(n)]
+                n_search = math.ceil(n * HOLD_OUT_SHARE)
+                split.search = gen.search(order[:n_search])
+                split.validation = gen.validation(validation_samples, validation_seed, order[n_search:])
+            elif files is None:  # rendered pages or random inputs, from seeds of their own
+                split.search = gen.search()
+            else:
+                split.notes.append(f"model.images.source holds {len(files)} images: too few to hold any out for the "
+                                   "fp16 accuracy search, which does not run")
+
     if validate and split.validation is None:
         if not calibrate and calibration_data is not None:
             split.validation = _from_user(calibration_data, "validation", calibration_data.feeds, inputs, profiles,

@@ -15,70 +15,84 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .graph import name_allocator, subgraphs
+from .graph import name_allocator, rename_values, subgraphs
 
 H, F = TensorProto.FLOAT16, TensorProto.FLOAT
 
 
 def has_fp16(model: onnx.ModelProto) -> bool:
-    g = model.graph
-    return any(t.data_type == H for t in g.initializer) or \
-        any(a.name == "to" and a.i == H for n in g.node if n.op_type == "Cast" for a in n.attribute) or \
-        any(v.type.tensor_type.elem_type == H for v in (*g.input, *g.output, *g.value_info))
+    def graph_has(g: onnx.GraphProto) -> bool:
+        return any(t.data_type == H for t in g.initializer) or \
+            any(a.name == "to" and a.i == H for n in g.node if n.op_type == "Cast" for a in n.attribute) or \
+            any(v.type.tensor_type.elem_type == H for v in (*g.input, *g.output, *g.value_info)) or \
+            any(graph_has(s) for n in g.node for s in subgraphs(n))
+    return graph_has(model.graph)
 
 
-def fp16_rounded(model: onnx.ModelProto) -> onnx.ModelProto | None:
-    """The fp32 graph that rounds like the fp16 one (see the module doc); None when the graph has control-flow
-    subgraphs (their bodies would need the same rewrite: not emulated, ONNX Runtime's own execution is used)."""
-    if any(subgraphs(n) for n in model.graph.node):
-        return None
+def fp16_rounded(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The fp32 graph that rounds like the fp16 one (see the module doc). Control-flow bodies (If/Loop/Scan) are
+    rewritten the same way: every fp16 value they make is rounded where it is made, their fp16 inputs, outputs and
+    loop-carried values become fp32 holding fp16 values (the loop of an autoregressive decoder feeds back what fp16
+    computed, step after step)."""
     m = onnx.shape_inference.infer_shapes(model)
-    g = m.graph
-    fp16 = {v.name for v in (*g.value_info, *g.output) if v.type.tensor_type.elem_type == H}
-    for n in g.node:  # what the producers say, where inference left a value untyped
-        if n.op_type == "Cast" and any(a.name == "to" and a.i == H for a in n.attribute):
-            fp16.add(n.output[0])
-    fresh = name_allocator(g)
+    fresh = name_allocator(m.graph)  # values and node names of every scope (subgraphs read outer names)
+    node_name = fresh
 
-    for i, t in enumerate(g.initializer):  # fp16 weights: their exact values, in fp32
-        if t.data_type == H:
-            g.initializer[i].CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype("float32"), t.name))
-    for v in g.value_info:
-        if v.type.tensor_type.elem_type == H:
-            v.type.tensor_type.elem_type = F
+    def rewrite(g: onnx.GraphProto, top: bool) -> None:
+        fp16 = {v.name for v in (*g.value_info, *g.output) if v.type.tensor_type.elem_type == H}
+        for n in g.node:  # what the producers say, where inference left a value untyped
+            if n.op_type == "Cast" and any(a.name == "to" and a.i == H for a in n.attribute):
+                fp16.add(n.output[0])
+        for i, t in enumerate(g.initializer):  # fp16 weights: their exact values, in fp32
+            if t.data_type == H:
+                g.initializer[i].CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype("float32"), t.name))
+        for v in (*g.value_info, *([] if top else (*g.input, *g.output))):
+            if v.type.tensor_type.elem_type == H:
+                v.type.tensor_type.elem_type = F
+        nodes = []
+        if top:
+            for inp in g.input:  # an fp16 input stays fp16 at the border; inside, its fp32 copy
+                if inp.type.tensor_type.elem_type == H:
+                    inner = fresh(inp.name + "_emul_f32")
+                    for n in g.node:
+                        n.input[:] = [inner if x == inp.name else x for x in n.input]
+                    nodes.append(helper.make_node("Cast", [inp.name], [inner], to=F, name=node_name(inner + "_cast")))
+        outputs16 = {o.name for o in g.output if o.type.tensor_type.elem_type == H} if top else set()
+        renamed: dict[str, str] = {}
+        border: set[int] = set()
+        for n in g.node:
+            for a in n.attribute:
+                if a.type == onnx.AttributeProto.TENSOR and a.t.data_type == H:  # Constant, ConstantOfShape values
+                    a.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(a.t).astype("float32"), a.t.name))
+                elif a.name in ("to", "dtype") and a.type == onnx.AttributeProto.INT and a.i == H:
+                    a.i = F  # computes in fp32; the rounding below makes it fp16's value
+            for sub in subgraphs(n):
+                rewrite(sub, False)
+            nodes.append(n)
+            for k, out in enumerate(n.output):
+                if out not in fp16:
+                    continue
+                raw, half = fresh(out + "_emul_raw"), fresh(out + "_emul_f16")
+                n.output[k] = raw
+                nodes.append(helper.make_node("Cast", [raw], [half], to=H, name=node_name(half + "_round")))
+                back = out if out not in outputs16 else fresh(out + "_emul_f32")
+                nodes.append(helper.make_node("Cast", [half], [back], to=F, name=node_name(out + "_back")))
+                if out in outputs16:  # an fp16 graph output: the fp16 value itself; other readers take the fp32 copy
+                    nodes.append(helper.make_node("Identity", [half], [out], name=node_name(out + "_out")))
+                    border.add(id(nodes[-1]))
+                    renamed[out] = back
+        if renamed:
+            for n in nodes:
+                if id(n) not in border:
+                    n.input[:] = [renamed.get(x, x) for x in n.input]
+                    for sub in subgraphs(n):  # outer-scope reads of a renamed graph output (unless shadowed)
+                        own = {o for x in sub.node for o in x.output} | {i.name for i in sub.input} | \
+                            {t.name for t in sub.initializer}
+                        rename_values(sub, {k: v for k, v in renamed.items() if k not in own})
+        del g.node[:]
+        g.node.extend(nodes)
 
-    nodes = []
-    for inp in g.input:  # an fp16 input stays fp16 at the border; inside, its fp32 copy
-        if inp.type.tensor_type.elem_type == H:
-            inner = fresh(inp.name + "_emul_f32")
-            for n in g.node:
-                n.input[:] = [inner if x == inp.name else x for x in n.input]
-            nodes.append(helper.make_node("Cast", [inp.name], [inner], to=F, name=fresh(inner + "_cast")))
-    outputs16 = {o.name for o in g.output if o.type.tensor_type.elem_type == H}
-    renamed: dict[str, str] = {}
-    for n in g.node:
-        for a in n.attribute:
-            if a.type == onnx.AttributeProto.TENSOR and a.t.data_type == H:  # Constant, ConstantOfShape values
-                a.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(a.t).astype("float32"), a.t.name))
-            elif a.name in ("to", "dtype") and a.type == onnx.AttributeProto.INT and a.i == H:
-                a.i = F  # computes in fp32; the rounding below makes it fp16's value
-        nodes.append(n)
-        for k, out in enumerate(n.output):
-            if out not in fp16:
-                continue
-            raw, half = fresh(out + "_emul_raw"), fresh(out + "_emul_f16")
-            n.output[k] = raw
-            nodes.append(helper.make_node("Cast", [raw], [half], to=H, name=fresh(half + "_round")))
-            back = out if out not in outputs16 else fresh(out + "_emul_f32")
-            nodes.append(helper.make_node("Cast", [half], [back], to=F, name=fresh(out + "_back")))
-            if out in outputs16:  # an fp16 graph output: the fp16 value itself; other readers take the fp32 copy
-                nodes.append(helper.make_node("Identity", [half], [out], name=fresh(out + "_out")))
-                renamed[out] = back
-    for n in nodes:
-        if not n.name.endswith("_out") or n.op_type != "Identity":
-            n.input[:] = [renamed.get(x, x) for x in n.input]
-    del g.node[:]
-    g.node.extend(nodes)
+    rewrite(m.graph, True)
     return m
 
 
@@ -102,10 +116,6 @@ def precision_runner(path, optimization: str = "all", arena: bool = True, stage:
     model = onnx.load(str(path)) if not isinstance(path, onnx.ModelProto) else path
     if not has_fp16(model):
         return ort_runner(model.SerializeToString(), optimization, stage, arena), "as written"
-    rounded = fp16_rounded(model)
-    if rounded is None:
-        return ort_runner(model.SerializeToString(), optimization, stage, arena), \
-            "ONNX Runtime's own fp16 execution (control-flow subgraphs: not rounded; it computes many fp16 ops in fp32)"
-    return ort_runner(rounded.SerializeToString(), optimization, stage, arena), \
-        "every fp16 value rounded to fp16 after each op, arithmetic in fp32"
+    return ort_runner(fp16_rounded(model).SerializeToString(), optimization, stage, arena), \
+        "every fp16 value rounded to fp16 after each op, arithmetic in fp32 (control-flow bodies included)"
 

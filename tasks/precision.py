@@ -30,16 +30,19 @@ SHAPE_OPS = ("Shape", "Size")
 
 
 def fp16_from_onnx(model: onnx.ModelProto, keep_fp32: dict[str, float] | None = None,
-                   cancel_fp32: dict[str, float] | None = None) -> tuple[onnx.ModelProto, dict]:
+                   cancel_fp32: dict[str, float] | None = None, tiny_fp32: dict[str, float] | None = None,
+                   keep_nodes: dict[str, float] | None = None) -> tuple[onnx.ModelProto, dict]:
     """fp16 copy of ``model``; the converter's per-value truncation warnings are silenced (the stats count them).
     From what the user's data holds (``fp16_hazards_from_data``): ``keep_fp32``, values beyond fp16's range (the nodes
     making and reading them stay fp32); ``cancel_fp32``, the values a cancelling subtraction is computed from (the
-    nodes making them stay fp32)."""
+    nodes making them stay fp32); ``tiny_fp32``, values below fp16's normal range (the nodes making and reading them
+    stay fp32). ``keep_nodes``: {node name: what it costs in fp16} that the accuracy search keeps fp32
+    (tasks.fp16search; names as this conversion gives them, the same on every call)."""
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        return _fp16_from_onnx(model, keep_fp32 or {}, cancel_fp32 or {})
+        return _fp16_from_onnx(model, keep_fp32 or {}, cancel_fp32 or {}, tiny_fp32 or {}, keep_nodes or {})
 
 
 # A node reading or making values above this on the user's data stays fp32: 2x headroom under fp16's largest finite
@@ -52,6 +55,11 @@ RANGE_FEEDS = 4  # feeds the range check runs on (each exposes every intermediat
 
 # fp16's unit roundoff: an fp16 value is off by up to this fraction of itself
 FP16_EPS = 2.0 ** -11
+# fp16's smallest normal value (6.1e-5): below it values are subnormal (precision lost) or flushed to zero
+FP16_TINY = 2.0 ** -14
+# a value with more than this share of its magnitude (relative L2) below FP16_TINY is kept fp32 with its nodes: flushed,
+# it would lose more than 1% of its energy (an activation ~1e-3 has ~1% of its L2 norm below: it stays fp16)
+UNDERFLOW_MAX = 0.1
 # A Sub/Add whose fp16 operands would make its result this wrong is a harmful cancellation: relative L2 error over the
 # result, or, where it feeds a divisor, square root or log, the error of a tenth of its elements (the
 # CANCEL_PERCENTILE-th percentile), each relative to itself
@@ -68,7 +76,7 @@ CANCEL_CONE_MAX = 24  # a cone larger than this keeps only the subtraction and i
 
 
 def fp16_hazards_from_data(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]],
-                           data_max: float = DATA_MAX) -> tuple[dict[str, float], dict[str, float]]:
+                           data_max: float = DATA_MAX, underflow: bool = False) -> tuple[dict[str, float], ...]:
     """What fp16 would break on ``feeds`` (the user's data), judged on the fp32 model in ONNX Runtime with every float
     value exposed, one feed at a time (at most RANGE_FEEDS):
 
@@ -81,13 +89,17 @@ def fp16_hazards_from_data(model: onnx.ModelProto, feeds: list[dict[str, np.ndar
       then blows up. Where the result would be more than CANCEL_MAX_ERROR wrong on the data (relative L2; for a
       result that divides or goes under a square root or log, a tenth of its elements each), its operands are
       computed in fp32 from the value the two share (e.g. the LayerNorm's input, which stays fp16): the producers
-      between it and the subtraction, and the subtraction itself.
+      between it and the subtraction, and the subtraction itself;
+    * underflow (with ``underflow``, a third dict): {value: the share of its magnitude (relative L2) held by elements
+      below fp16's normal range (FP16_TINY, ~6.1e-5: subnormal, and flushed to zero where a GPU kernel flushes)} for
+      every value where that share exceeds UNDERFLOW_MAX (a scaled-down intermediate); the nodes making or reading it
+      stay fp32, as the range check does for values above ``data_max``.
 
     Values, not node names: names are given to unnamed nodes later."""
     import onnxruntime as ort
 
     if not feeds:
-        return {}, {}
+        return ({}, {}, {}) if underflow else ({}, {})
     m = onnx.ModelProto()
     m.CopyFrom(model)
     g = m.graph
@@ -105,6 +117,7 @@ def fp16_hazards_from_data(model: onnx.ModelProto, feeds: list[dict[str, np.ndar
     subtractions = [n for n in g.node if n.op_type in ("Sub", "Add") and len(n.input) == 2 and all(n.input)]
     amplified = {id(n) for n in _amplified(g, subtractions)}
     peak: dict[str, float] = {}
+    tiny: dict[str, float] = {}  # value -> share of its L2 norm below fp16's normal range (the worst feed)
     whole: dict[int, list[float]] = {}  # subtraction -> [sum |a|^2 + |b|^2 (broadcast), sum |result|^2] over the feeds
     spread: dict[int, list[np.ndarray]] = {}  # amplified subtraction -> its elements' fp16 relative errors
     for feed in feeds[:RANGE_FEEDS]:
@@ -124,6 +137,10 @@ def fp16_hazards_from_data(model: onnx.ModelProto, feeds: list[dict[str, np.ndar
             peak[name] = max(peak.get(name, 0.0), top)
             if top == float("inf"):
                 bad.add(name)
+            elif underflow and top > 0:
+                lost = _below_normal_share(a)
+                if lost > UNDERFLOW_MAX:
+                    tiny[name] = max(tiny.get(name, 0.0), lost)
         norms: dict[str, float] = {}
 
         def square_norm(name: str, x: np.ndarray) -> float:  # of a value of this feed (one pass, no copy)
@@ -173,7 +190,21 @@ def fp16_hazards_from_data(model: onnx.ModelProto, feeds: list[dict[str, np.ndar
             for v in _cancellation_cone(producer, subtractions[i]):
                 if v in float_values:
                     cancel[v] = max(cancel.get(v, 0.0), err)
+    if underflow:
+        return over, cancel, {n: v for n, v in tiny.items() if n not in over}
     return over, cancel
+
+
+def _below_normal_share(a: np.ndarray, chunk: int = 1 << 22) -> float:
+    """The share of ``a``'s L2 norm held by its nonzero elements below fp16's normal range (FP16_TINY)."""
+    flat = a.ravel()
+    total = small = 0.0
+    for i in range(0, flat.size, chunk):
+        x = np.abs(flat[i:i + chunk].astype(np.float64))
+        total += float(np.dot(x, x))
+        s = x[x < FP16_TINY]
+        small += float(np.dot(s, s))
+    return (small / total) ** 0.5 if total > 0 else 0.0
 
 
 def _amplified(g: onnx.GraphProto, subtractions: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
@@ -226,8 +257,8 @@ def _batched(feed: dict) -> bool:
     return len(lengths) == 1 and lengths.pop() > 1
 
 
-def _fp16_from_onnx(model: onnx.ModelProto, keep_fp32: dict[str, float],
-                    cancel_fp32: dict[str, float]) -> tuple[onnx.ModelProto, dict]:
+def _fp16_from_onnx(model: onnx.ModelProto, keep_fp32: dict[str, float], cancel_fp32: dict[str, float],
+                    tiny_fp32: dict[str, float], keep_nodes: dict[str, float]) -> tuple[onnx.ModelProto, dict]:
     """Return an fp16 copy of ``model`` (graph inputs/outputs stay fp32) and stats.
 
     Nodes kept in fp32:
@@ -236,8 +267,10 @@ def _fp16_from_onnx(model: onnx.ModelProto, keep_fp32: dict[str, float],
         Shape/Size (shape arithmetic such as anchor grids): mixing their fp32
         outputs with fp16 breaks TensorRT builds with dynamic shapes;
       * nodes reading or making a value beyond fp16's range on the user's data
-        (``keep_fp32``), and nodes making a value that a cancelling
-        subtraction is computed from (``cancel_fp32``);
+        (``keep_fp32``) or below its normal range (``tiny_fp32``), and nodes
+        making a value that a cancelling subtraction is computed from
+        (``cancel_fp32``);
+      * the nodes the accuracy search keeps (``keep_nodes``, by name);
       * nodes consuming a float initializer that fp16 can't hold: overflow
         (|x| > 65504) or most of its mass in the subnormal range (relative L2
         rounding error > MAX_REL_ERROR; stray denormal weights don't count);
@@ -294,6 +327,15 @@ def _fp16_from_onnx(model: onnx.ModelProto, keep_fp32: dict[str, float],
         if over:
             reasons.setdefault(node.name, "data_range")
             data_range[node.name] = max(over)
+    underflow = {}
+    for node in g.node:  # a node reading or making values that fp16 flushes (below its normal range, ~6.1e-5)
+        tiny = [tiny_fp32[v] for v in (*node.input, *node.output) if v in tiny_fp32]
+        if tiny:
+            reasons.setdefault(node.name, "data_underflow")
+            underflow[node.name] = max(tiny)
+    for node in g.node:  # what the accuracy search keeps (tasks.fp16search), after the data's own reasons
+        if node.name in keep_nodes:
+            reasons.setdefault(node.name, "accuracy")
     cancellation = {}
     for node in g.node:  # a node making a value a cancelling subtraction is computed from (or the subtraction)
         errs = [cancel_fp32[v] for v in node.output if v in cancel_fp32]
@@ -342,6 +384,10 @@ def _fp16_from_onnx(model: onnx.ModelProto, keep_fp32: dict[str, float],
         "already_fp16": False,
         "opset_upgraded_for_fp16_qdq": qdq_opset,
         "data_range": {n: v for n, v in data_range.items() if reasons.get(n) == "data_range"},
+        # node -> the share of a value it reads or makes lost below fp16's normal range (relative L2)
+        "data_underflow": {n: v for n, v in underflow.items() if reasons.get(n) == "data_underflow"},
+        # node -> what it cost in fp16 (its error growth), kept fp32 by the accuracy search
+        "accuracy": {n: keep_nodes[n] for n in keep_nodes if reasons.get(n) == "accuracy"},
         # node -> the estimated relative error fp16 would give the subtraction it feeds (it computes in fp32)
         "cancellation": {n: v for n, v in cancellation.items() if reasons.get(n) == "cancellation"},
         "seconds": round(time.perf_counter() - t0, 3),

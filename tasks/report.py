@@ -173,24 +173,31 @@ def latency_plot(benchmark: dict, path: Path) -> Path | None:
 
 # --- report.html --------------------------------------------------------------------------------------------------
 
+GROWTH_ROWS = 60  # fp16 search: the nodes that add the most error, plotted (sensitivity.json lists every node)
+
+
 def sensitivity_report(segments: list[dict], d: Path) -> dict[str, Path]:
     """The per-layer sensitivity table (JSON) and a bar chart: what restoring each layer gains, or its local error."""
     rows = [{"segment": s["segment"], **r, "kept_high_precision": r["node"] in set(s.get("fallback", []))}
             for s in segments for r in s.get("sensitivity", [])]
     files = {"sensitivity": write_json(d / "sensitivity.json", {"layers": rows, "segments": [
         {k: s.get(k) for k in ("segment", "method", "range_choice", "precision", "quantized", "fallback", "min_cosine",
-                               "fp32_by_data_range", "fp32_by_cancellation", "search_set")}
+                               "fp32_by_data_range", "fp32_by_cancellation", "search_set", "cosine_fp16")}
         for s in segments]})}
     gain = [r for r in rows if r.get("restore_gain") is not None]
     local = [r for r in rows if r.get("local_error") is not None]
-    if gain or local:  # the search's measured ranking when it searched, else each layer's local error
+    growth = [r for r in rows if r.get("error_growth") is not None]
+    if gain or local or growth:  # the search's measured ranking when it searched, else each layer's local error
         plt = _pyplot()
         rows, value, label = (
             (sorted(gain, key=lambda r: -r["restore_gain"]), lambda r: max(r["restore_gain"], 1e-7),
              "cosine to fp32 gained by restoring only this layer in the all-quantized graph (a calibration sample)")
             if gain else
             (sorted(local, key=lambda r: -r["local_error"]), lambda r: max(r["local_error"], 1e-12),
-             "relative squared error of the layer's own output with only it quantized (from fp32 inputs)"))
+             "relative squared error of the layer's own output with only it quantized (from fp32 inputs)") if local else
+            (sorted(growth, key=lambda r: -r["error_growth"])[:GROWTH_ROWS], lambda r: max(r["error_growth"], 1e-9),
+             "relative error this node adds in the fp16 graph (its outputs' less its inputs', the hardest held-out "
+             "sample)"))
         fig, ax = plt.subplots(figsize=(10, max(3.0, 0.18 * len(rows) + 1)))
         colors = ["#c62828" if r["kept_high_precision"] else "#2e7d32" for r in rows]
         ax.barh(range(len(rows)), [value(r) for r in rows], color=colors)
@@ -321,10 +328,11 @@ def _accuracy(s: dict, v: dict | None, out_dir: Path) -> str:
 def _quantization(s: dict, sens: dict | None, out_dir: Path) -> str:
     m = s.get("metrics", {})
     keys = [k for k in ("quantized_layers", "fallback_layers", "calibration_samples", "search_samples",
-                        "search_cosine_worst_feed", "search_cosine_all_quantized") if k in m]
+                        "search_cosine_worst_feed", "search_cosine_all_quantized", "search_cosine_fp16") if k in m]
     if not keys and not (out_dir / "sensitivity.png").is_file():
         return ""
-    out = "<h2>Quantization</h2>" + table(["metric", "value"], [[esc(k), num("summary", f"metrics.{k}", m[k])] for k in keys],
+    head = "Quantization" if "quantized_layers" in m else "fp16 accuracy search (nodes kept in fp32)"
+    out = f"<h2>{head}</h2>" + table(["metric", "value"], [[esc(k), num("summary", f"metrics.{k}", m[k])] for k in keys],
                                           numeric=[1])
     if sens and sens.get("segments"):
         out += table(["segment", "method", "precision", "layers quantized", "kept in higher precision"],

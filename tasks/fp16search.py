@@ -1,0 +1,212 @@
+"""fp16 under the accuracy budget: the few nodes to keep in fp32 when the fp16 graph misses ``accuracy.min_cosine``.
+
+int8 has a search that keeps sensitive layers in higher precision (tasks/calibrate.py); this is fp16's. A model whose
+fp16 graph is close to fp32 everywhere except at a few nodes (an autoregressive decoder: one step's argmax flips in
+fp16 and the sequence it feeds back diverges) would otherwise only be told to use fp32.
+
+Judged on the search's held-out samples (never the validation set), with the faithful fp16 emulation
+(tasks/emulate.py: every fp16 value rounded after each op, control-flow bodies included), in a few whole-model runs:
+
+1. the fp16 graph as converted is scored on every held-out sample; when the worst meets the target, nothing is kept;
+2. else each top-level node that computes in fp16 is ranked by the error it adds (``error_growth``): from ONE fp32
+   pass and ONE pass of the fp16 graph, both exposing every value, on the worst held-out sample: the relative error of
+   the node's outputs less the largest relative error of its inputs (a Loop is one node: its body with it);
+3. ``tasks.search.restore_search`` keeps nodes fp32, most error per FLOP first, by binary search on the prefix (log2 of
+   the node count of judged conversions, each stopping at the first sample below the target, hardest first), then
+   tries the large ones back;
+4. the graph with those nodes kept is scored on every held-out sample (``search_cosine_worst_feed``); still short, or
+   every node kept (that is an fp32 engine), the build fails naming that figure, the samples and the remedy.
+
+``SCORE`` is the one per-sample score (outputs, references) -> float that every judgement uses (issue 31's
+``accuracy.metric`` replaces it): the lowest cosine of any output.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import onnx
+
+from .errors import AccuracyError
+from .metrics import cosine
+from .util import StageResult
+
+Feed = dict[str, np.ndarray]
+STAGE = "build"
+REFINE = 4  # large nodes tried back to fp16 after the prefix search, at most (each one whole-model judgement)
+NOT_CANDIDATES = ("Cast", "Constant", "Identity", "Shape", "Size")  # nothing to compute in another precision
+
+
+def worst_output_cosine(outputs: dict[str, np.ndarray], refs: dict[str, np.ndarray]) -> float:
+    """One sample's score: the lowest cosine of any output to its reference (tasks.metrics.cosine)."""
+    return min((cosine(outputs[k], r) for k, r in refs.items()), default=1.0)
+
+
+SCORE: Callable[[dict, dict], float] = worst_output_cosine
+
+
+def fp16_candidates(model16: onnx.ModelProto) -> list[str]:
+    """Top-level nodes of a converted graph that compute in fp16 (an fp16 float output), in graph order."""
+    from .precision import value_types
+
+    types = value_types(model16)
+    return [n.name for n in model16.graph.node if n.op_type not in NOT_CANDIDATES
+            and any(types.get(o) == onnx.TensorProto.FLOAT16 for o in n.output if o)]
+
+
+def _relative_error(got: np.ndarray, ref: np.ndarray) -> float:
+    """||got - ref|| / ||ref|| (float64); integer and boolean values: the share of elements that differ."""
+    got, ref = np.asarray(got), np.asarray(ref)
+    if got.shape != ref.shape:
+        return 1.0
+    if ref.dtype.kind not in "fc":
+        return float(np.mean(got != ref)) if ref.size else 0.0
+    a, b = got.astype(np.float64).ravel(), ref.astype(np.float64).ravel()
+    if not np.isfinite(a).all():
+        return 1.0
+    nb = float(np.linalg.norm(b))
+    d = float(np.linalg.norm(a - b))
+    return d / nb if nb > 0 else (0.0 if d == 0 else 1.0)
+
+
+def error_growth(fp32: onnx.ModelProto, model16: onnx.ModelProto, names: list[str], feed: Feed) -> dict[str, float]:
+    """{node: the relative error of its outputs in the fp16 graph less the largest of its inputs'} for the top-level
+    nodes ``names`` of ``model16``, from one run of each graph on ``feed`` exposing every value (a node's inputs are
+    followed back through the Casts the conversion put in, to the values both graphs have)."""
+    from .emulate import fp16_rounded
+    from .ort import ort_session
+    from .segments import run_with_intermediates
+
+    g16 = model16.graph
+    producer = {o: n for n in g16.node for o in n.output if o}
+    inits = {t.name for t in g16.initializer}
+
+    def origin(v: str) -> str:
+        seen = 0
+        while v in producer and producer[v].op_type == "Cast" and seen < 4:
+            v, seen = producer[v].input[0], seen + 1
+        return v
+
+    by_name = {n.name: n for n in g16.node}
+    fp32_values = {o for n in fp32.graph.node for o in n.output if o} | {i.name for i in fp32.graph.input}
+    ios: dict[str, tuple[list[str], list[str]]] = {}
+    for name in names:
+        n = by_name[name]
+        ins = [origin(x) for x in n.input if x and x not in inits]
+        ios[name] = ([x for x in ins if x in fp32_values], [o for o in n.output if o in fp32_values])
+    values = sorted({v for i, o in ios.values() for v in (*i, *o)})
+    ref = run_with_intermediates(fp32, values, [feed])[0]
+    rounded = fp16_rounded(model16)
+    have = {o.name for o in rounded.graph.output} | {i.name for i in rounded.graph.input}
+    rounded.graph.output.extend(onnx.ValueInfoProto(name=v) for v in values if v not in have)
+    sess = ort_session(rounded.SerializeToString(), stage=STAGE)
+    outs = [o.name for o in sess.get_outputs()]
+    got = {**dict(zip(outs, sess.run(outs, feed))), **feed}
+    err = {v: _relative_error(got[v], ref[v]) for v in values if v in got and v in ref}
+    return {name: max(0.0, max((err.get(o, 0.0) for o in o_), default=0.0) - max((err.get(x, 0.0) for x in i_),
+                                                                                 default=0.0))
+            for name, (i_, o_) in ios.items()}
+
+
+class Judge:
+    """Scores converted graphs on the held-out samples against the fp32 references, one emulated session each."""
+
+    def __init__(self, feeds: list[Feed], refs: list[dict], score: Callable[[dict, dict], float] = SCORE):
+        self.feeds, self.refs, self.score = feeds, refs, score
+        self.runs = 0  # whole-model runs (one sample each)
+        self._last: dict[int, float] = {}  # per sample: the lowest score seen (hardest first)
+
+    def _runner(self, model16: onnx.ModelProto):
+        from .emulate import precision_runner
+
+        return precision_runner(model16, stage=STAGE)[0]
+
+    def scores(self, model16: onnx.ModelProto) -> list[float]:
+        run = self._runner(model16)
+        out = []
+        for i, (f, r) in enumerate(zip(self.feeds, self.refs)):
+            s = self.score(run(f), r)
+            self.runs += 1
+            self._last[i] = min(self._last.get(i, 1.0), s)
+            out.append(s)
+        return out
+
+    def meets(self, model16: onnx.ModelProto, target: float) -> bool:
+        """Every sample at or above ``target``; the samples that came lowest before run first, the first below ends it."""
+        run = self._runner(model16)
+        for i in sorted(range(len(self.feeds)), key=lambda i: self._last.get(i, 1.0)):
+            s = self.score(run(self.feeds[i]), self.refs[i])
+            self.runs += 1
+            self._last[i] = min(self._last.get(i, 1.0), s)
+            if s < target:
+                return False
+        return True
+
+
+def fp16_within_budget(fp32_path: Path, out_path: Path, feeds: list[Feed], target: float, *,
+                       convert: Callable[[dict[str, float]], tuple[onnx.ModelProto, dict]],
+                       score: Callable[[dict, dict], float] = SCORE, samples_text: str = "held-out samples",
+                       budget: float | None = None) -> StageResult:
+    """The fp16 graph of ``fp32_path`` that meets ``target`` (worst held-out sample, ``score``) with the fewest nodes
+    kept fp32 (see the module doc), written to ``out_path``. ``convert(keep_nodes)`` converts the fp32 model with
+    those nodes kept fp32 (and whatever the data decided). Metrics: ``search_cosine_worst_feed`` (the written graph),
+    ``search_cosine_fp16`` (the graph as converted), ``fallback_layers`` (nodes the search kept fp32),
+    ``search_samples``, ``search_runs``, ``search_seconds``; details: the kept nodes with what each costs, and the
+    ranking (``sensitivity``, as the int8 search reports it)."""
+    from .export import save_onnx
+    from .flops import onnx_flops
+    from .inputs import batch_size
+    from .ort import ort_session, ort_run
+    from .search import restore_search
+
+    t0 = time.perf_counter()
+    fp32 = onnx.load(str(fp32_path))
+    ref_sess = ort_session(fp32.SerializeToString(), stage=STAGE)
+    refs = [ort_run(ref_sess, f, stage=STAGE) for f in feeds]
+    judge = Judge(feeds, refs, score)
+    model16, stats = convert({})
+    first = judge.scores(model16)
+    worst = min(first)
+    details: dict = {"min_cosine": target, "search_feeds": len(feeds), "search_set": samples_text,
+                     "cosine_fp16": worst, "kept": {}, "sensitivity": []}
+    metrics = {"search_cosine_fp16": worst, "search_samples": sum(batch_size(f) for f in feeds)}
+    chosen_kept: dict[str, float] = {}
+    if worst < target:
+        names = fp16_candidates(model16)
+        hardest = feeds[int(np.argmin(first))]
+        growth = error_growth(fp32, model16, names, hardest)
+        shapes = {k: list(v.shape) for k, v in hardest.items()}
+        flops = onnx_flops(model16, shapes, names)
+        ops = {n.name: n.op_type for n in model16.graph.node}
+        candidates = names
+
+        def meets(fp16_nodes: list[str]) -> bool:
+            on = set(fp16_nodes)
+            m, _ = convert({n: growth.get(n, 0.0) for n in candidates if n not in on})
+            return judge.meets(m, target)
+
+        fp16_nodes, _ = restore_search(candidates, meets, growth, flops, refine=REFINE)
+        chosen_kept = {n: growth.get(n, 0.0) for n in candidates if n not in set(fp16_nodes)}
+        model16, stats = convert(chosen_kept)
+        worst = min(judge.scores(model16))
+        details["sensitivity"] = sorted(
+            ({"node": n, "op": ops.get(n), "flops": flops.get(n), "error_growth": growth.get(n, 0.0),
+              "quantized": n not in chosen_kept} for n in candidates), key=lambda r: -r["error_growth"])
+        details["kept"] = chosen_kept
+        if worst < target:
+            raise AccuracyError(
+                f"fp16 misses the accuracy budget: the fp16 graph gives {details['cosine_fp16']:.6f} (worst of "
+                f"{len(feeds)} {samples_text}, {getattr(score, '__name__', 'score')}, onnxruntime emulation of fp16), "
+                f"and keeping the {len(chosen_kept)} nodes that cost the most in fp32 gives {worst:.6f} against the "
+                f"search's target {target:.6g} (accuracy.min_cosine"
+                + (f" {budget:g}" if budget is not None else "") + " plus calibration.budget_margin of the allowed "
+                f"error); kept: {', '.join(sorted(chosen_kept, key=lambda n: -chosen_kept[n])[:6])}",
+                stage=STAGE, file=str(fp32_path),
+                fix="build this model at precision=fp32, give calibration.data with real inputs (the search judged "
+                    f"{samples_text}), or lower accuracy.min_cosine")
+    save_onnx(model16, out_path)
+    metrics.update(search_cosine_worst_feed=worst, fallback_layers=len(chosen_kept), search_runs=judge.runs,
+                   search_seconds=time.perf_counter() - t0)
+    return StageResult(files={"onnx": out_path}, metrics=metrics, details={**stats, "fp16_search": details})
