@@ -195,14 +195,23 @@ def fp16_within_budget(fp32_path: Path, out_path: Path, feeds: list[Feed], targe
             ({"node": n, "op": ops.get(n), "flops": flops.get(n), "error_growth": growth.get(n, 0.0),
               "quantized": n not in chosen_kept} for n in candidates), key=lambda r: -r["error_growth"])
         details["kept"] = chosen_kept
+        if not set(candidates) - set(chosen_kept):  # every node fp32: an fp32 engine, not an fp16 one
+            raise AccuracyError(
+                f"fp16 misses the accuracy budget: the fp16 graph gives {details['cosine_fp16']:.6f} (worst of "
+                f"{len(feeds)} {samples_text}, onnxruntime emulation of fp16) against the search's target "
+                f"{target:.6g}" + (f" (accuracy.min_cosine={budget:g} plus calibration.budget_margin of the allowed "
+                                   "error)" if budget is not None else "") +
+                f", and no set of nodes kept in fp32 that the search tried meets it short of all {len(candidates)} "
+                f"(that is an fp32 engine; with all of them fp32: {worst:.6f})", stage=STAGE, file=str(fp32_path),
+                fix="build this model at precision=fp32, or lower accuracy.min_cosine")
         if worst < target:
             raise AccuracyError(
                 f"fp16 misses the accuracy budget: the fp16 graph gives {details['cosine_fp16']:.6f} (worst of "
                 f"{len(feeds)} {samples_text}, {getattr(score, '__name__', 'score')}, onnxruntime emulation of fp16), "
                 f"and keeping the {len(chosen_kept)} nodes that cost the most in fp32 gives {worst:.6f} against the "
-                f"search's target {target:.6g} (accuracy.min_cosine"
-                + (f" {budget:g}" if budget is not None else "") + " plus calibration.budget_margin of the allowed "
-                f"error); kept: {', '.join(sorted(chosen_kept, key=lambda n: -chosen_kept[n])[:6])}",
+                f"search's target {target:.6g}" + (f" (accuracy.min_cosine={budget:g} plus calibration.budget_margin of "
+                                                   "the allowed error)" if budget is not None else "") +
+                f"; kept: {', '.join(sorted(chosen_kept, key=lambda n: -chosen_kept[n])[:6])}",
                 stage=STAGE, file=str(fp32_path),
                 fix="build this model at precision=fp32, give calibration.data with real inputs (the search judged "
                     f"{samples_text}), or lower accuracy.min_cosine")

@@ -839,3 +839,53 @@ def test_the_type_check_names_the_node_and_its_two_types(tmp_path):
         check_types(tmp_path / "mixed.onnx", 0, "build")
     assert "'conv2' (Conv)" in e.value.message and "'r' is float, 'w2' is float16" in e.value.message
     assert "partition.exclude_ops=[Conv]" in e.value.fix and e.value.segment == 0
+
+
+def test_a_prequantized_encoders_divisions_take_one_type_at_fp16(tmp_path):
+    """Issue 29 item 2's speech encoder class: uint8 Q/DQ (quantize_static's default) around a LayerNorm written with
+    Div and a Div by a temperature; TensorRT-RTX refused its fp16 graph ("ElementWiseOperation DIV must have same input
+    types. But they are of types Half and Float"). Converted now, every Div reads one type, and TensorRT builds it."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    from tasks.precision import mixed_input_types
+
+    rng = np.random.default_rng(0)
+    c, t = 8, 16
+    nodes = [oh.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[0, 1, 0, 1], name="conv"),
+             oh.make_node("Relu", ["c1"], ["r1"], name="relu"),
+             oh.make_node("ReduceMean", ["r1"], ["mu"], axes=[-1], name="mean"),
+             oh.make_node("Sub", ["r1", "mu"], ["d"], name="sub"),
+             oh.make_node("Mul", ["d", "d"], ["d2"], name="square"),
+             oh.make_node("ReduceMean", ["d2"], ["var"], axes=[-1], name="var"),
+             oh.make_node("Add", ["var", "eps"], ["ve"], name="add_eps"),
+             oh.make_node("Sqrt", ["ve"], ["sd"], name="sqrt"),
+             oh.make_node("Div", ["d", "sd"], ["n"], name="div"),
+             oh.make_node("MatMul", ["n", "w2"], ["m"], name="matmul"),
+             oh.make_node("Div", ["m", "temp"], ["y"], name="div_temp")]
+    g = oh.make_graph(nodes, "enc", [oh.make_tensor_value_info("x", TP.FLOAT, ["n", c, 1, t])],
+                      [oh.make_tensor_value_info("y", TP.FLOAT, ["n", c, 1, t])],
+                      [nh.from_array((rng.standard_normal([c, c, 1, 3]) / 4).astype(np.float32), "w1"),
+                       nh.from_array(np.zeros(c, np.float32), "b1"), nh.from_array(np.array(1e-5, np.float32), "eps"),
+                       nh.from_array((rng.standard_normal([t, t]) / 4).astype(np.float32), "w2"),
+                       nh.from_array(np.array(8.0, np.float32), "temp")])
+    m = oh.make_model(g, opset_imports=[oh.make_opsetid("", 13)])
+    m.ir_version = 7
+    onnx.save(m, str(tmp_path / "float.onnx"))
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.it = iter([{"x": rng.standard_normal([1, c, 1, t]).astype(np.float32)} for _ in range(4)])
+
+        def get_next(self):
+            return next(self.it, None)
+
+    quantize_static(str(tmp_path / "float.onnx"), str(tmp_path / "qdq.onnx"), Reader(), quant_format=QuantFormat.QDQ,
+                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                    op_types_to_quantize=["Conv", "MatMul", "Div", "Sub"])
+    from tasks.prequant import trt_from_prequantized
+
+    q, _ = trt_from_prequantized(onnx.load(str(tmp_path / "qdq.onnx")))  # what export hands the build
+    assert sum(n.op_type == "QuantizeLinear" for n in q.graph.node) >= 4
+    m16, _ = fp16_from_onnx(q)
+    assert mixed_input_types(m16) == []
+    assert _trt_build(m16, {"x": ((1, c, 1, t), (2, c, 1, t), (4, c, 1, t))}) > 0
