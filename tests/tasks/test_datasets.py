@@ -109,3 +109,19 @@ def test_generated_sets_are_disjoint_draws():
     val = {f["x"].tobytes() for f in s.validation.feeds}
     search = {f["x"].tobytes() for f in s.search.feeds}
     assert not cal & val and not cal & search and not search & val
+
+
+def test_an_fp16_search_holds_its_samples_out_of_what_validates():
+    """fp16 calibrates nothing but searches (the nodes to keep fp32): a quarter of calibration.data (at most 8) judges
+    the search, the rest validates, disjoint; with validation.data given, calibration.data is the search's alone."""
+    s = split(calibrate=False, calibration_data=user(16))
+    search, val = ids(s.search), ids(s.validation)
+    assert (len(search), len(val)) == (4, 12) and not (search & val) and search | val == set(range(16))
+    assert s.calibration is None and "held out for the accuracy search" in s.search.source
+    s = split(calibrate=False, calibration_data=user(12), validation_data=user(5, "validation.data", seed=1))
+    assert len(ids(s.search)) == 8 and ids(s.validation) == {1000 + i for i in range(5)}
+    s = split(calibrate=False, calibration_data=user(1))  # too few: the search judges generated inputs of its own
+    assert s.search.kind == "random" and len(ids(s.validation)) == 1 and s.notes
+    s = split(calibrate=False)  # no data: random draws from the search's own seeds, not the validation's
+    assert s.search.kind == "random" and s.validation.kind == "random"
+    assert s.search.key["seed"] != s.validation.key.get("seed")
