@@ -218,13 +218,40 @@ def refine(model, node_ids: list[int], backend: Backend, shapes: dict[str, dict]
                 else:
                     run.append(i)
             return [r for part in runs + [run] for r in refine(model, part, backend, shapes, reasons, depth + 1)]
+    found = ""
+    if not 0 <= k < len(node_ids) and len(node_ids) > 1:  # the parser names no node (an error about a tensor's
+        k = _failing_prefix(model, node_ids, backend, shapes)  # shape found later): the shortest prefix that fails
+        found = f" (the parser named no node: the shortest run of nodes that fails to parse ends here)" \
+            if k is not None else ""
+        k = -1 if k is None else k
     if not 0 <= k < len(node_ids):
         for i in node_ids:
             reasons.setdefault(i, errors[0]["reason"])
         return []
-    reasons[node_ids[k]] = errors[0]["reason"] or "rejected by the TensorRT ONNX parser"
+    reasons[node_ids[k]] = (errors[0]["reason"] or "rejected by the TensorRT ONNX parser") + found
     return refine(model, node_ids[:k], backend, shapes, reasons, depth + 1) + \
         refine(model, node_ids[k + 1:], backend, shapes, reasons, depth + 1)
+
+
+def _failing_prefix(model, node_ids: list[int], backend: Backend, shapes: dict[str, dict]) -> int | None:
+    """The index in ``node_ids`` (topological) of the last node of the shortest prefix that does not parse, by binary
+    search (log2 of the run's length parses); None when a prefix's boundary shapes are unknown."""
+    from .segments import io_of, submodel
+
+    def parses(ids: list[int]) -> bool | None:
+        ins, outs = io_of(model, ids)
+        if any(n not in shapes for n in ins + outs):
+            return None
+        return not backend.parse_errors(submodel(model, ids, ins, outs, shapes, "check").SerializeToString())
+
+    lo, hi = 0, len(node_ids)  # a prefix of lo nodes parses, the whole run (hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        ok = parses(node_ids[:mid])
+        if ok is None:
+            return None
+        lo, hi = (mid, hi) if ok else (lo, mid)
+    return hi - 1
 
 
 def draw_partition(model, segments: list[Segment], path: Path) -> Path:

