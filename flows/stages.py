@@ -207,6 +207,9 @@ def _build_engines(ctx: BuildContext) -> StageResult:
     if flushed:
         ctx.warn("build", f"{flushed} nodes kept in fp32: their values lie mostly below fp16's normal range (|x| < "
                           f"6.1e-5, which fp16 holds as subnormals or flushes to zero) on {ranged.source}")
+    for c in r.details.get("conversion", []):
+        if c.get("fp16_search_skipped"):
+            ctx.warn("build", f"the fp16 accuracy search did not run: {c['fp16_search_skipped']}")
     found = [c["fp16_search"] for c in r.details.get("conversion", []) if c.get("fp16_search")]
     kept_by_search = {n: v for f in found for n, v in f["kept"].items()}
     if kept_by_search:
