@@ -205,8 +205,8 @@ def _build_engines(ctx: BuildContext) -> StageResult:
                           f"build.fp16_data_max={ctx.cfg.build.fp16_data_max:g}) on {ranged.source}")
     flushed = sum(len(c.get("data_underflow") or {}) for c in r.details.get("conversion", []))
     if flushed:
-        ctx.warn("build", f"{flushed} nodes kept in fp32: their values lie mostly below fp16's normal range (|x| < "
-                          f"6.1e-5, which fp16 holds as subnormals or flushes to zero) on {ranged.source}")
+        ctx.warn("build", f"{flushed} nodes kept in fp32: their values lie below fp16's normal range (|x| < 6.1e-5, "
+                          f"where fp16's subnormals would leave them over 1% off) on {ranged.source}")
     for c in r.details.get("conversion", []):
         if c.get("fp16_search_skipped"):
             ctx.warn("build", f"the fp16 accuracy search did not run: {c['fp16_search_skipped']}")

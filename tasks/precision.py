@@ -57,9 +57,9 @@ RANGE_FEEDS = 4  # feeds the range check runs on (each exposes every intermediat
 FP16_EPS = 2.0 ** -11
 # fp16's smallest normal value (6.1e-5): below it values are subnormal (precision lost) or flushed to zero
 FP16_TINY = 2.0 ** -14
-# a value with more than this share of its magnitude (relative L2) below FP16_TINY is kept fp32 with its nodes: flushed,
-# it would lose more than 1% of its energy (an activation ~1e-3 has ~1% of its L2 norm below: it stays fp16)
-UNDERFLOW_MAX = 0.1
+# a value that fp16's subnormal range would leave more than this wrong (relative L2, from its elements below FP16_TINY
+# alone) is kept fp32 with its nodes: as MAX_REL_ERROR does for initializers (values ~1e-7: ~17%; ~1e-5: ~0.2%)
+UNDERFLOW_MAX = 1e-2
 # A Sub/Add whose fp16 operands would make its result this wrong is a harmful cancellation: relative L2 error over the
 # result, or, where it feeds a divisor, square root or log, the error of a tenth of its elements (the
 # CANCEL_PERCENTILE-th percentile), each relative to itself
@@ -90,10 +90,10 @@ def fp16_hazards_from_data(model: onnx.ModelProto, feeds: list[dict[str, np.ndar
       result that divides or goes under a square root or log, a tenth of its elements each), its operands are
       computed in fp32 from the value the two share (e.g. the LayerNorm's input, which stays fp16): the producers
       between it and the subtraction, and the subtraction itself;
-    * underflow (with ``underflow``, a third dict): {value: the share of its magnitude (relative L2) held by elements
-      below fp16's normal range (FP16_TINY, ~6.1e-5: subnormal, and flushed to zero where a GPU kernel flushes)} for
-      every value where that share exceeds UNDERFLOW_MAX (a scaled-down intermediate); the nodes making or reading it
-      stay fp32, as the range check does for values above ``data_max``.
+    * underflow (with ``underflow``, a third dict): {value: the relative L2 error fp16 gives its elements below fp16's
+      normal range (FP16_TINY, ~6.1e-5, where fp16 is subnormal: steps of 6e-8)} for every value where it exceeds
+      UNDERFLOW_MAX (a scaled-down intermediate); the nodes making or reading it stay fp32, as the range check does
+      for values above ``data_max``.
 
     Values, not node names: names are given to unnamed nodes later."""
     import onnxruntime as ort
@@ -117,7 +117,7 @@ def fp16_hazards_from_data(model: onnx.ModelProto, feeds: list[dict[str, np.ndar
     subtractions = [n for n in g.node if n.op_type in ("Sub", "Add") and len(n.input) == 2 and all(n.input)]
     amplified = {id(n) for n in _amplified(g, subtractions)}
     peak: dict[str, float] = {}
-    tiny: dict[str, float] = {}  # value -> share of its L2 norm below fp16's normal range (the worst feed)
+    tiny: dict[str, float] = {}  # value -> fp16's error from its elements below the normal range (the worst feed)
     whole: dict[int, list[float]] = {}  # subtraction -> [sum |a|^2 + |b|^2 (broadcast), sum |result|^2] over the feeds
     spread: dict[int, list[np.ndarray]] = {}  # amplified subtraction -> its elements' fp16 relative errors
     for feed in feeds[:RANGE_FEEDS]:
@@ -138,7 +138,7 @@ def fp16_hazards_from_data(model: onnx.ModelProto, feeds: list[dict[str, np.ndar
             if top == float("inf"):
                 bad.add(name)
             elif underflow and top > 0:
-                lost = _below_normal_share(a)
+                lost = _underflow_error(a)
                 if lost > UNDERFLOW_MAX:
                     tiny[name] = max(tiny.get(name, 0.0), lost)
         norms: dict[str, float] = {}
@@ -195,16 +195,22 @@ def fp16_hazards_from_data(model: onnx.ModelProto, feeds: list[dict[str, np.ndar
     return over, cancel
 
 
-def _below_normal_share(a: np.ndarray, chunk: int = 1 << 22) -> float:
-    """The share of ``a``'s L2 norm held by its nonzero elements below fp16's normal range (FP16_TINY)."""
-    flat = a.ravel()
-    total = small = 0.0
+def _underflow_error(a: np.ndarray, chunk: int = 1 << 22) -> float:
+    """The relative L2 error (against all of ``a``) that fp16 gives ``a``'s elements below its normal range
+    (FP16_TINY): subnormal fp16 keeps steps of 2^-24 there, so ~1e-7 values lose most of their digits. One float32 dot
+    product first: the error is at most sqrt(n) 2^-25 / |a|, which rules out nearly every tensor at once."""
+    flat = np.ascontiguousarray(a, np.float32).ravel()
+    with np.errstate(over="ignore", invalid="ignore"):
+        energy = float(np.dot(flat, flat))
+    if not np.isfinite(energy) or flat.size * 2.0 ** -50 <= UNDERFLOW_MAX ** 2 * energy:
+        return 0.0
+    err = 0.0
     for i in range(0, flat.size, chunk):
-        x = np.abs(flat[i:i + chunk].astype(np.float64))
-        total += float(np.dot(x, x))
-        s = x[x < FP16_TINY]
-        small += float(np.dot(s, s))
-    return (small / total) ** 0.5 if total > 0 else 0.0
+        x = flat[i:i + chunk]
+        tiny = x[np.abs(x) < FP16_TINY].astype(np.float64)
+        d = tiny.astype(np.float16).astype(np.float64) - tiny
+        err += float(np.dot(d, d))
+    return (err / energy) ** 0.5 if energy > 0 else 0.0
 
 
 def _amplified(g: onnx.GraphProto, subtractions: list[onnx.NodeProto]) -> list[onnx.NodeProto]:

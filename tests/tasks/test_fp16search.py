@@ -176,7 +176,7 @@ def test_values_below_fp16_normal_range_keep_their_nodes_fp32():
     m = scaled_down()
     feeds = [{"x": np.random.default_rng(i).standard_normal([4, D]).astype(np.float32)} for i in range(2)]
     over, cancel, tiny = fp16_hazards_from_data(m, feeds, underflow=True)
-    assert set(tiny) == {"small", "t"} and not over and min(tiny.values()) > 0.5
+    assert set(tiny) == {"small", "t"} and not over and min(tiny.values()) > 0.1  # ~1e-7 values: ~20% off in fp16
     guarded, stats = fp16_from_onnx(m, over, cancel, tiny)
     assert set(stats["data_underflow"]) == {"down2", "tanh", "up2"}  # making or reading them
     assert "mm" in fp16_candidates(guarded)  # the rest stays fp16
