@@ -146,7 +146,7 @@ def _build_engines(ctx: BuildContext) -> StageResult:
     from tasks.precision import fp16_hazards_from_data
     from tasks.prequant import precision_for
     from tasks.search import search_target
-    from tasks.segments import segment_feeds
+    from tasks.segments import all_segment_feeds
 
     t, q = ctx.cfg.target, prequantized(ctx)  # a quantized model keeps it; its float part is what precision says
     p = ctx.cfg.precision
@@ -167,11 +167,12 @@ def _build_engines(ctx: BuildContext) -> StageResult:
                                                     ctx.cfg.build.fp16_data_max, underflow=True) \
             if ranged else (None, None, None)
         plan, model = ctx.results["partition"].details, ctx.results["export"].files["onnx"]
+        held_feeds = all_segment_feeds(model, plan, held.feeds) if held is not None else {}
 
         def search(i: int) -> dict | None:
             if held is None:
                 return None
-            return {"feeds": segment_feeds(model, plan, i, held.feeds), "target": target, "samples_text":
+            return {"feeds": held_feeds.get(i, []), "target": target, "samples_text":
                     f"held-out samples ({held.source})", "budget": ctx.cfg.accuracy.min_cosine}
 
         convs = {s["index"]: onnx_at_precision(s["onnx"], precision, d / f"{ctx.cfg.model.name}.{t.name}.{label}{s['name']}.onnx",

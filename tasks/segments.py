@@ -283,6 +283,19 @@ def segment_feeds(model_path: Path, plan: dict, segment: int, feeds: list[dict[s
     return [{n: r[n] for n in names} for r in run_with_intermediates(model, names, feeds)]
 
 
+def all_segment_feeds(model_path: Path, plan: dict, feeds: list[dict[str, np.ndarray]]) -> dict[int, list[dict]]:
+    """``segment_feeds`` for every TensorRT segment at once: one run of the model exposing every segment's inputs
+    (a model of 119 segments is run once, not 119 times). {segment index: its feeds}."""
+    trt = [s for s in plan.get("segments", []) if s.get("kind", "trt") == "trt"]
+    if not plan.get("hybrid"):
+        return {s["index"]: feeds for s in trt} or {0: feeds}
+    import onnx
+
+    names = list(dict.fromkeys(n for s in trt for n in s["inputs"]))
+    runs = run_with_intermediates(onnx.load(str(model_path)), names, feeds)
+    return {s["index"]: [{n: r[n] for n in s["inputs"]} for r in runs] for s in trt}
+
+
 def composed_runner(plan: dict, graph_outputs: list[str], runner_for: Callable[[dict], Callable]) -> Callable:
     """The model as it runs: one runner per TensorRT segment (an engine, or its precision graph in ONNX Runtime) and
     ONNX Runtime for the native ones, composed in order; the single runner of a model that is one segment."""
