@@ -346,3 +346,20 @@ def test_a_parse_error_naming_no_node_is_placed_by_parsing_prefixes(tmp_path):
     assert "slice" in fallback and "the parser named no node" in fallback["slice"]
     assert "Axis must be in the range" in fallback["slice"]
     assert not {"relu", "add", "relu2", "neg"} & set(fallback)  # the rest is TensorRT's
+
+
+def test_every_segments_feeds_come_from_one_run(hybrid_onnx, tmp_path):
+    """all_segment_feeds (the fp16 search's held-out feeds of a hybrid model) equals segment_feeds segment by segment."""
+    from tasks.segments import all_segment_feeds, segment_feeds
+
+    r = plan(hybrid_onnx, tmp_path)
+    feeds = [{"x": np.random.default_rng(i).standard_normal((2, 3, 16, 16)).astype(np.float32)} for i in range(2)]
+    every = all_segment_feeds(hybrid_onnx, r.details, feeds)
+    trt = [s["index"] for s in r.details["segments"] if s["kind"] == "trt"]
+    assert sorted(every) == sorted(trt) and len(trt) == 3
+    for i in trt:
+        one = segment_feeds(hybrid_onnx, r.details, i, feeds)
+        assert [sorted(f) for f in every[i]] == [sorted(f) for f in one]
+        for a, b in zip(every[i], one):
+            for k in a:
+                np.testing.assert_array_equal(a[k], b[k])
