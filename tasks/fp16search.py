@@ -29,7 +29,7 @@ from typing import Callable
 import numpy as np
 import onnx
 
-from .errors import AccuracyError
+from .errors import AccuracyError, StageError
 from .metrics import cosine
 from .util import StageResult
 
@@ -160,8 +160,6 @@ def fp16_within_budget(fp32_path: Path, out_path: Path, feeds: list[Feed], targe
     from .inputs import batch_size
     from .ort import ort_session, ort_run
     from .search import restore_search
-
-    from .errors import StageError
 
     t0 = time.perf_counter()
     fp32 = onnx.load(str(fp32_path))
