@@ -15,12 +15,13 @@ from tasks.util import sha256_file
 PROFILE = "profiles:\n  - x: {min: [1, 3, 8, 8], opt: [2, 3, 16, 16], max: [4, 3, 32, 32]}\n"
 
 
-def underflow_model(path: Path, exponent: int = 22) -> Path:
+def underflow_model(path: Path, exponent: int = 19) -> Path:
     """The tiny conv model with its output scaled by 2^-exponent and back: the same function in fp32, but in fp16 the
-    scaled values fall below fp16's normal range (6.1e-5) and keep only a few bits, so its fp16 engine validates worse
-    (cosine ~0.998 at 2^-22 with fp16 values rounded as TensorRT stores them, inside the 0.99 budget but worse than
-    the plain model's 0.99999). No conversion check keeps it fp32 (2^-22 is exact in fp16; values are small, not
-    large; nothing cancels), so what this stands for is a model change that costs accuracy."""
+    scaled values fall below fp16's normal range (6.1e-5) and keep fewer bits, so its fp16 engine validates worse
+    (cosine ~0.99996 at 2^-19 with fp16 values rounded as TensorRT stores them, against the plain model's 0.9999999).
+    The underflow guard keeps nodes fp32 only where fp16 leaves such a value over 1% off (2^-22: ~7%, kept fp32 and
+    exact again); at 2^-19 it is ~0.9%, so what this stands for is a model change that costs accuracy no conversion
+    check catches."""
     import numpy as np
     import onnx
     from onnx import helper, numpy_helper
@@ -100,12 +101,12 @@ def test_ok_builds_are_registry_versions_with_an_alias_and_rebuild_does_exactly_
 
     # a change that makes the fp16 engine validate worse: built and registered, but the alias stays
     underflow_model(tmp_path / "a.onnx")
-    r = rebuild_pass(None, experiment=farm["experiment"], log=lambda *_: None)
+    r = rebuild_pass(None, tolerance=1e-5, experiment=farm["experiment"], log=lambda *_: None)
     assert not r["rebuilt"] and [x["model"] for x in r["failed"]] == [a], r
     assert "validates worse" in r["failed"][0]["reason"]
     assert c.get_model_version_by_alias(a, "sm_86-fp16").version == moved.version
     worse = c.get_model_version(a, r["failed"][0]["version"])
-    assert float(worse.tags["cosine_min"]) < float(moved.tags["cosine_min"]) - 0.001
+    assert float(worse.tags["cosine_min"]) < float(moved.tags["cosine_min"]) - 1e-5
 
 
 def test_a_retried_tracking_call_continues_its_own_run(tmp_path):
