@@ -196,13 +196,14 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
         from tasks.prequant import describe
         raise Skip(f"the model is already quantized ({describe(prequantized(ctx))})")
     from tasks.calibrate import low_share_warning, qdq_for_segments
-    from tasks.search import search_target
+    from tasks.search import judged_samples, search_target
     from tasks.segments import segment_feeds
 
     cal, held = ctx.data.calibration, ctx.data.search
     segs, plan, model = trt_segments(ctx), ctx.results["partition"].details, ctx.results["export"].files["onnx"]
-    # the margin grows when few held-out samples judge the search (none held out: the calibration samples judge)
-    target = search_target(ctx.cfg.accuracy.min_cosine, c.budget_margin, (held or cal).samples) if c.search else None
+    # the margin grows when few samples judge the search (held-out and calibration samples, tasks.search.judged_samples)
+    target = search_target(ctx.cfg.accuracy.min_cosine, c.budget_margin,
+                           judged_samples(held.samples if held else 0, cal.samples)) if c.search else None
     q_parts = {"segments": [sha256_file(s["onnx"]) for s in segs], "calibration": cal.key,
                "search": held.key if held else None, "method": c.method, "precision": p.name, "min_cosine": target,
                "fp16_data_max": ctx.cfg.build.fp16_data_max}
