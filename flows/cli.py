@@ -93,7 +93,13 @@ def print_summary(summary: dict, seconds: float) -> None:
     for e in summary["engines"]:
         c.print(f"  engine   {summary['out_dir']}/{e['file']}  ({e['bytes'] / 1e6:.1f} MB, sha256 {e['sha256'][:16]}…)")
     m = summary["metrics"]
-    if "cosine_min" in m:
+    acc = summary.get("accuracy") or {}
+    if "cosine_min" in m and acc.get("metric") not in (None, "cosine"):  # the user's metric first, cosine beside it
+        c.print(f"  accuracy {acc['metric']} {acc['score']:.6g} ({'passed' if acc['passed'] else 'FAILED'}: "
+                f"{acc['rule']}), cosine_min {m['cosine_min']:.6f}, vs "
+                f"{summary['stages']['validate'].get('reference', 'fp32')}, measured by {accuracy_source(summary)}",
+                markup=False)
+    elif "cosine_min" in m:
         c.print(f"  accuracy cosine_min {m['cosine_min']:.6f} vs {summary['stages']['validate'].get('reference', 'fp32')}, "
                 f"measured by {accuracy_source(summary)}", markup=False)
     elif summary.get("verdict"):

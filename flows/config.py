@@ -177,6 +177,8 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> "BuildInputs":
         raise ConfigError(f"calibration.samples={cal.samples} must be at least 1", fix="e.g. calibration.samples=32")
     if not -1.0 <= cfg.accuracy.min_cosine <= 1.0:
         raise ConfigError(f"accuracy.min_cosine={cfg.accuracy.min_cosine} is outside [-1, 1]", fix="e.g. accuracy.min_cosine=0.99")
+    from tasks.accuracy import from_config as accuracy_metric
+    accuracy_metric(cfg.accuracy, config_dir_search(config_dir))  # unknown name, unimportable function, bad tolerance
     if not cfg.build.fp16_data_max > 0:
         raise ConfigError(f"build.fp16_data_max={cfg.build.fp16_data_max} must be positive",
                           fix="e.g. build.fp16_data_max=32768 (ModelOpt AutoCast's choice is 512)")

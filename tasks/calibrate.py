@@ -52,7 +52,7 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
                   on_sample: Callable[[int, int], None] | None = None,
                   high_precision: str = "fp16",
                   no_layers_ok: bool = False,
-                  data_max: float = DATA_MAX) -> StageResult:
+                  data_max: float = DATA_MAX, metric=None) -> StageResult:
     """Quantize ``fp32_path`` to a Q/DQ graph at ``out_path``, within ``min_cosine`` if given.
 
     ``feeds`` calibrate the ranges (one input dict per sample, shapes may differ); candidates are scored against the
@@ -67,11 +67,18 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
     ``high_precision`` instead of refused.
     Metrics ``search_cosine_worst_feed`` (the written graph) and ``search_cosine_all_quantized`` (every layer) are
     absent when ONNX Runtime cannot run the graph (float8 on a CPU build), never a made-up 1.0.
+    ``metric`` (tasks/accuracy.SearchJudge, default cosine): what judges a candidate and meets ``min_cosine`` (its
+    target, on the metric's scale); the layers are ranked by cosine whatever the metric. With another metric than
+    cosine, ``search_score_worst_feed`` is its value on the written graph and ``search_cosine_worst_feed`` its cosine.
     """
     precision = str(precision).lower()
     choose = method is None and precision == "int8"
     method = str(method or DEFAULT_METHOD.get(precision, "entropy")).lower()
     _check_arguments(method, precision, feeds, high_precision, min_cosine)
+    if metric is None:
+        from .accuracy import Metric
+        metric = Metric().judge()
+    what = metric.label  # the value the search judges by, in words (messages)
     held_out = bool(eval_feeds)
     eval_feeds = list(eval_feeds) if eval_feeds else list(feeds)
     fp32_path, out_path = Path(fp32_path), Path(out_path)
@@ -104,7 +111,7 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
 
         def score_with(qz: Quantizer, names: list[str]) -> float | None:
             outs = qz.outputs(names, eval_feeds)
-            return None if outs is None else worst_feed_cosine(outs, ref)
+            return None if outs is None else metric.worst(outs, ref, eval_feeds)
 
         def score(names: list[str]) -> float:
             return score_with(q, names)  # q: the quantizer of the ranges in use
@@ -121,20 +128,21 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
             cos_none = score([])
             if cos_none < min_cosine:
                 raise AccuracyError(
-                    f"the {high_precision} graph without any Q/DQ already gives cosine {cos_none:.8f}, below "
-                    f"min_cosine={min_cosine:.6g}", stage=STAGE, file=str(fp32_path),
+                    f"the {high_precision} graph without any Q/DQ already gives {what} {cos_none:.8f}, below "
+                    f"the search's target {min_cosine:.6g} (accuracy.metric={metric.name})", stage=STAGE,
+                    file=str(fp32_path),
                     fix="lower accuracy.min_cosine, or quantize with the rest of the graph in fp32")
             flops = onnx_flops(q.base, {n: list(a.shape) for n, a in eval_feeds[0].items()}, layers)
             rank_feeds = list(feeds[:RANK_FEEDS])  # layers are ranked on calibration samples, judged on held-out ones
             local, range_choice = {}, {}
             clock = time.perf_counter()
-            scorer = Switchable(q, eval_feeds, ref)  # one session: any subset scored by feeding flags
-            cos_all, goal = min(scorer.cosines(layers)), float(min_cosine)
+            scorer = Switchable(q, eval_feeds, ref, metric.value)  # one session: any subset scored by feeding flags
+            cos_all, goal = min(scorer.values(layers)), float(min_cosine)
             if choose:  # each tensor's range by the error it causes in the layer that reads it (local, cheap)
                 q_local, local, picked = _ranges_by_local_error(q, prepared, rank_feeds)
                 timing["ranges_chosen"] = time.perf_counter() - clock
-                s_local = Switchable(q_local, eval_feeds, ref)
-                c_local = min(s_local.cosines(layers))
+                s_local = Switchable(q_local, eval_feeds, ref, metric.value)
+                c_local = min(s_local.values(layers))
                 if c_local > cos_all:  # kept only where the whole model gains (local error is not always global:
                     # layout_cdla all-int8 0.818 with entropy, 0.646 with the locally chosen ranges)
                     q, scorer, cos_all, range_choice = q_local, s_local, c_local, picked
@@ -156,7 +164,7 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
             for _ in range(FP16_RETRIES):  # the fp16 remainder on top of the int8 error: search again, aiming higher
                 if not chosen or cos_chosen >= min_cosine:
                     break
-                gap = min(scorer.cosines(chosen)) - cos_chosen  # what the fp16 remainder costs this choice
+                gap = min(scorer.values(chosen)) - cos_chosen  # what the fp16 remainder costs this choice
                 goal = min(1.0, max(goal, float(min_cosine) + 1.5 * max(gap, 0.0)) + (min_cosine - cos_chosen))
                 chosen, _ = restore_search(layers, lambda names: scorer.meets(names, goal), harm, flops)
                 cos_chosen = score(chosen) if chosen else cos_none
@@ -177,11 +185,11 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
                 row["range"] = range_choice.get(row["node"], method) if choose else method
             if not chosen:
                 raise AccuracyError(
-                    f"no layer can be quantized to {precision} within the search's target cosine {min_cosine:.6g} "
-                    f"(accuracy.min_cosine plus calibration.budget_margin of the allowed error): all {len(layers)} "
+                    f"no layer can be quantized to {precision} within the search's target {what} {min_cosine:.6g} "
+                    f"(accuracy.metric={metric.name} and calibration.budget_margin): all {len(layers)} "
                     f"{'/'.join(QUANT_OPS)} layers together give {cos_all:.6f}, and no part of them that the search "
                     f"tried meets it (worst of {len(eval_feeds)} held-out feeds)", stage=STAGE, file=str(fp32_path),
-                    fix="lower accuracy.min_cosine, calibrate on more representative samples, try another "
+                    fix=f"relax accuracy.metric={metric.name}'s threshold, calibrate on more representative samples, try another "
                         "calibration method, or build this model at fp16")
         q.write(chosen, out_path)
         search_seconds = time.perf_counter() - t_search
@@ -196,10 +204,13 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
                    "calibration_seconds": calibration_seconds, "search_seconds": search_seconds,
                    "search_runs": search_runs,
                    "calibrate_seconds": time.perf_counter() - t0}
-        if cos_chosen is not None:  # measured (never a stand-in when ONNX Runtime cannot run the graph)
+        if cos_chosen is not None and metric.name != "cosine":  # the user's metric, and the cosine beside it
+            metrics.update(search_metric=metric.name, search_score_worst_feed=cos_chosen,
+                           search_cosine_worst_feed=worst_feed_cosine(q.outputs(chosen, eval_feeds), ref))
+        elif cos_chosen is not None:  # measured (never a stand-in when ONNX Runtime cannot run the graph)
             metrics["search_cosine_worst_feed"] = cos_chosen
         if cos_all is not None:
-            metrics["search_cosine_all_quantized"] = cos_all
+            metrics["search_score_all_quantized" if metric.name != "cosine" else "search_cosine_all_quantized"] = cos_all
         return StageResult(
             files=files, metrics=metrics,
             details={
@@ -231,7 +242,7 @@ def qdq_for_segments(segments: list[dict], feeds_for: Callable[[int], list[Feed]
                      search_feeds_for: Callable[[int], list[Feed]] | None, out_dir: Path, *, method: str | None,
                      precision: str, min_cosine: float | None,
                      progress: Callable[[int], contextlib.AbstractContextManager] | None = None,
-                     data_max: float = DATA_MAX) -> StageResult:
+                     data_max: float = DATA_MAX, metric=None) -> StageResult:
     """``qdq_from_onnx`` for each TensorRT segment of a model (``segments``: index, onnx), each on what that segment
     sees of the calibration and search samples; the layer counts summed, each search cosine the lowest segment's
     (absent when no segment measured it), and the sensitivity report of all. A segment without a layer to quantize
@@ -245,14 +256,17 @@ def qdq_for_segments(segments: list[dict], feeds_for: Callable[[int], list[Feed]
             r = qdq_from_onnx(s["onnx"], feeds_for(i), out_dir / f"qdq{i}.onnx", method=method, precision=precision,
                               min_cosine=min_cosine, eval_feeds=search_feeds_for(i) if search_feeds_for else None,
                               workdir=out_dir / f"work{i}", on_sample=on_sample, no_layers_ok=len(segments) > 1,
-                              data_max=data_max)
+                              data_max=data_max, metric=metric)
         files[f"qdq{i}"] = r.files["onnx"]
         for k in ("quantized_layers", "fallback_layers"):
             metrics[k] += r.metrics[k]
-        for k in ("search_cosine_worst_feed", "search_cosine_all_quantized"):  # absent when not measured
+        for k in ("search_cosine_worst_feed", "search_cosine_all_quantized", "search_score_worst_feed",
+                  "search_score_all_quantized"):  # absent when not measured
             if k in r.metrics:
                 metrics[k] = min(metrics.get(k, 1.0), r.metrics[k])
         metrics.update(calibration_samples=r.metrics["calibration_samples"], search_samples=r.metrics["search_samples"])
+        if "search_metric" in r.metrics:
+            metrics["search_metric"] = r.metrics["search_metric"]
         details.append({"segment": i, **r.details})
     if not metrics["quantized_layers"] + metrics["fallback_layers"]:
         raise StageError("no TensorRT segment of the model has a Conv/ConvTranspose/MatMul/Gemm node to quantize",

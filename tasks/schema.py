@@ -123,8 +123,30 @@ class ValidationConfig:
 
 
 @dataclass
+class OutputTolerance:
+    """allclose tolerances of one output (unset: accuracy.atol / accuracy.rtol)."""
+
+    atol: Optional[float] = None
+    rtol: Optional[float] = None
+
+
+@dataclass
 class AccuracyConfig:
-    min_cosine: float = 0.99
+    """The metric that gates validate, the accuracy search and the scheduled rebuild (tasks/accuracy.py)."""
+
+    # cosine | allclose | top1 | module:function (the user's, in the working dir or the config dir, called per batch
+    # as fn(outputs, references, feeds) -> (score, passed))
+    metric: str = "cosine"
+    min_cosine: float = 0.99  # cosine: each output's pooled cosine to the reference reaches this
+    atol: float = 1e-5  # allclose: |candidate - reference| <= atol + rtol * |reference| (Polygraphy's defaults)
+    rtol: float = 1e-5
+    outputs: Dict[str, OutputTolerance] = field(default_factory=dict)  # allclose: per-output atol/rtol
+    min_within: float = 1.0  # allclose: share of each output's elements within tolerance
+    min_agreement: float = 0.99  # top1: share of rows whose argmax (last axis) agrees with the reference
+    greater_is_better: bool = True  # module:function: which way its score is better (the worst is reported)
+    # outputs from a final Softmax/Sigmoid/LogSoftmax are also judged on their logits (always reported); true: the
+    # logits gate too (cosine and allclose)
+    gate_logits: bool = False
 
 
 @dataclass

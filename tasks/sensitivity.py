@@ -39,7 +39,7 @@ def _float_dq_inputs(q, full: onnx.ModelProto) -> dict[str, dict[int, str]]:
 class Switchable:
     """Scores any subset of ``q.layers`` quantized (the rest fp32) on ``feeds`` against ``refs`` with one session."""
 
-    def __init__(self, q, feeds: list[dict], refs: list[dict]):
+    def __init__(self, q, feeds: list[dict], refs: list[dict], judge=None):
         full = q.qdq(q.layers)  # fp32 remainder; every layer quantized
         m = onnx.ModelProto()
         m.CopyFrom(full)
@@ -64,30 +64,40 @@ class Switchable:
         g.input.extend(helper.make_tensor_value_info(f, TensorProto.BOOL, []) for f in self.flags.values())
         self.session = ort_session(m.SerializeToString(), stage=STAGE)
         self.feeds, self.refs = feeds, refs
+        # the accuracy metric's value of one feed, higher is better (tasks/accuracy.SearchJudge.value); default: cosine
+        self.judge = judge or (lambda got, ref, feed: min(cosine(got[k], ref[k]) for k in ref))
         self.runs = 0  # whole-model runs (one feed each)
         self._last: dict[int, float] = {}  # per search feed: the lowest cosine seen (hardest first)
 
     def cosines(self, names, feeds: list[dict] | None = None, refs: list[dict] | None = None) -> list[float]:
         """Per feed: the lowest cosine of any output to its reference with exactly ``names`` quantized."""
-        return [self._cosine(set(names), f, r) for f, r in zip(feeds or self.feeds, refs or self.refs)]
+        return [min(cosine(o[k], r[k]) for k in r) for o, r in
+                zip(self._outputs(set(names), feeds or self.feeds), refs or self.refs)]
+
+    def values(self, names, feeds: list[dict] | None = None, refs: list[dict] | None = None) -> list[float]:
+        """Per feed: the accuracy metric's value (``judge``) with exactly ``names`` quantized."""
+        feeds, refs = feeds or self.feeds, refs or self.refs
+        return [self.judge(o, r, f) for o, r, f in zip(self._outputs(set(names), feeds), refs, feeds)]
 
     def meets(self, names, target: float) -> bool:
-        """Whether every search feed's cosine reaches ``target`` with ``names`` quantized: the feeds that failed or
+        """Whether every search feed's value (``judge``: the accuracy metric) reaches ``target`` with ``names`` quantized: the feeds that failed or
         came lowest before are run first, and the first one below ends it (most candidates that fail are judged in
         one run, not one per feed)."""
         on = set(names)
         for i in sorted(range(len(self.feeds)), key=lambda i: self._last.get(i, 1.0)):
-            c = self._cosine(on, self.feeds[i], self.refs[i])
+            c = self.judge(self._outputs(on, [self.feeds[i]])[0], self.refs[i], self.feeds[i])
             self._last[i] = min(self._last.get(i, 1.0), c)
             if c < target:
                 return False
         return True
 
-    def _cosine(self, on: set, feed: dict, ref: dict) -> float:
+    def _outputs(self, on: set, feeds: list[dict]) -> list[dict]:
         flags = {f: np.array(n in on) for n, f in self.flags.items()}
-        got = ort_run(self.session, {**feed, **flags}, stage=STAGE)
-        self.runs += 1
-        return min(cosine(got[k], ref[k]) for k in ref)
+        out = []
+        for feed in feeds:
+            out.append(ort_run(self.session, {**feed, **flags}, stage=STAGE))
+            self.runs += 1
+        return out
 
 
 def probe_model(q, full: onnx.ModelProto, fp32: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str], dict[str, str]]:
