@@ -15,6 +15,7 @@ USAGE = """python -m flows.build [--config-dir DIR] [-m] [--cfg] key=value ...
   model=NAME target=sm_XX precision=fp32|fp16|int8|fp8      choose the config group options
   calibration.data=PATH validation.data=PATH               arrays (.npz/.npy or a folder), one per input
   accuracy.min_cosine=0.99  cache_dir=PATH  summary_out=PATH  out_dir=PATH
+  accuracy.metric=cosine|allclose|top1|module:function     what gates validate, the int8 search and rebuilds
   -m target=sm_80,sm_86 precision=fp16,int8                sweep: one build per combination
   --config-dir DIR                                         add DIR (model/NAME.yaml, ...) to the config search path
   --cfg                                                    print the resolved config and exit

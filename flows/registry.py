@@ -24,7 +24,8 @@ def register_engines(client, run, summary: dict, cache_key: str, backend: str,
     """Register an ok build's `engine/` artifacts as a new version of the model and move the alias to it.
 
     With `tolerance` set (scheduled rebuilds), the alias stays where it is when the new engine validates worse than
-    the current one by more than the tolerance (lower `cosine_min`); the version is still registered, and the
+    the current one by more than the tolerance: a worse `accuracy_score` when both were judged by the same
+    `accuracy.metric` (not cosine) with the same settings, else a lower `cosine_min`; the version is still registered, and the
     returned dict says why it was not promoted. A run that has a version already (a retried tracking step) keeps
     that one: one version per run."""
     from mlflow.exceptions import MlflowException
