@@ -230,6 +230,16 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> "BuildInputs":
                       recipe=OmegaConf.to_container(m.images) if m.images is not None else None,
                       calibration_samples=cal.samples, validation_samples=cfg.validation.samples, seed=cfg.seed,
                       validation_seed=cfg.validation.seed)
+    if cfg.validation.labels:  # one per sample of validation.data, for a user metric function
+        if "validation.data" not in user:
+            raise ConfigError(f"validation.labels={cfg.validation.labels!r} labels the samples of validation.data, "
+                              "which is not set", fix="set validation.data=PATH too (the samples the labels belong to)")
+        if cfg.accuracy.metric in ("cosine", "allclose", "top1"):
+            raise ConfigError(f"validation.labels is read only by a module:function metric (accuracy.metric="
+                              f"{cfg.accuracy.metric})", fix="set accuracy.metric=module:function, or drop validation.labels")
+        from tasks.accuracy import load_labels
+        from tasks.inputs import batch_size
+        load_labels(cfg.validation.labels, sum(batch_size(f) for f in user["validation.data"].feeds))
     return BuildInputs(backend=backend, inputs=inputs, outputs=outputs, profiles=profiles, rules=rules, search=search,
                        prequantized=prequant, data=data, traffic=traffic)
 

@@ -399,6 +399,13 @@ def validate(ctx: BuildContext) -> StageResult:
     metric = accuracy_metric(ctx)
     if metric.name != "cosine" or metric.gate_logits:  # what decides the verdict (a user function: its module too)
         parts["metric"] = {"settings": metric.settings(), **(metric_fingerprint(ctx) or {})}
+    labels = None
+    if ctx.cfg.validation.labels:  # the user function's labels=, per validation batch
+        from tasks.accuracy import labels_per_feed, load_labels
+        from tasks.inputs import batch_size
+        labels = labels_per_feed(load_labels(ctx.cfg.validation.labels, sum(batch_size(f) for f in val.feeds)),
+                                 val.feeds)
+        parts["labels"] = sha256_file(ctx.cfg.validation.labels)
     label = f"{ctx.cfg.model.name} at {ctx.cfg.precision.name}"
     cal = ctx.results.get("calibrate")
     fix = accuracy_fix(prequantized(ctx) or {}) if prequantized(ctx) or cal is None else \
@@ -416,7 +423,7 @@ def validate(ctx: BuildContext) -> StageResult:
                                   emulation=emulation_label(ctx.cfg.precision.name),
                                   engine_device=gpu and f"engine on {gpu.name} (sm {gpu.compute_capability})",
                                   evidence=evidence, fix=fix, metric=metric,
-                                  logits=logit_runners(ctx, reference, candidates, identical))
+                                  logits=logit_runners(ctx, reference, candidates, identical), labels=labels)
             except TrtforgeError as e:  # the failed verdict is a result too: cached, gated below
                 if getattr(e, "result", None) is None:
                     raise

@@ -105,12 +105,13 @@ class Metric:
         return new < old - tolerance if self.greater_is_better else new > old + tolerance
 
     # --- one set ---------------------------------------------------------------------------------------------
-    def evaluate(self, outputs: list[Feed], references: list[Feed], feeds: list[Feed]) -> dict[str, Any]:
+    def evaluate(self, outputs: list[Feed], references: list[Feed], feeds: list[Feed],
+                 labels: list[np.ndarray] | None = None) -> dict[str, Any]:
         """The metric over a set: ``{"metric", "settings", "rule", "score" (the worst), "passed", "outputs" {name:
         value} (built-in metrics), "per_sample" [...]}``. Per sample: each row of the batch axis for the built-in
         metrics (an output whose first dim is not the batch is judged per feed), each batch for a user function."""
         if self.user:
-            return self._evaluate_user(outputs, references, feeds)
+            return self._evaluate_user(outputs, references, feeds, labels)
         per_out: dict[str, list[float]] = {}  # pooled: [numerator, denominator] per output
         per_sample: list[dict] = []
         judged = set()
@@ -170,10 +171,12 @@ class Metric:
         agree = top1_agreement(c, r)
         return 1.0 if agree is None or not agree.size else float(agree.mean())
 
-    def call(self, outputs: Feed, references: Feed, feed: Feed) -> tuple[float, bool]:
-        """The user function on one batch: (score, passed); any exception or malformed answer is a ConfigError."""
+    def call(self, outputs: Feed, references: Feed, feed: Feed, labels: np.ndarray | None = None) -> tuple[float, bool]:
+        """The user function on one batch: (score, passed); any exception or malformed answer is a ConfigError.
+        ``labels`` (validation.labels: this batch's) is passed as a keyword only when given."""
         try:
-            got = self.fn(dict(outputs), dict(references), dict(feed))
+            extra = {} if labels is None else {"labels": labels}
+            got = self.fn(dict(outputs), dict(references), dict(feed), **extra)
         except Exception as e:  # noqa: BLE001 - the user's code: its failure is named, without a traceback
             raise ConfigError(f"accuracy.metric={self.name} raised {type(e).__name__}: {e}", file=self.origin, fix=f"fix {self.name} (called as fn(outputs, references, feeds), each "
                                                     "a dict of name to numpy array, returning (score, passed))") from None
@@ -187,10 +190,11 @@ class Metric:
                               file=self.origin, fix="return a tuple (score: a number, passed: a bool) for each batch")
         return score, bool(passed)
 
-    def _evaluate_user(self, outputs: list[Feed], references: list[Feed], feeds: list[Feed]) -> dict[str, Any]:
+    def _evaluate_user(self, outputs: list[Feed], references: list[Feed], feeds: list[Feed],
+                       labels: list[np.ndarray] | None = None) -> dict[str, Any]:
         per_sample, score, passed = [], None, True
         for i, (got, ref, feed) in enumerate(zip(outputs, references, feeds)):
-            s, p = self.call(got, ref, feed)
+            s, p = self.call(got, ref, feed, None if labels is None else labels[i])
             per_sample.append({"feed": i, "samples": _batch(feed), "score": s, "passed": p})
             score = s if score is None else self.worse(score, s)
             passed = passed and p
@@ -349,6 +353,36 @@ def fingerprint(acc: Any, search: list[Path] | None = None) -> dict | None:
         spec = None
     origin = spec.origin if spec else None
     return {"metric": name, "module_sha256": sha256_file(origin) if origin and Path(origin).is_file() else None}
+
+
+def load_labels(path: str, samples: int) -> np.ndarray:
+    """validation.labels: one label per sample of validation.data (axis 0), checked against its sample count."""
+    try:
+        got = np.load(path, allow_pickle=False)
+        if isinstance(got, np.lib.npyio.NpzFile):
+            with got as z:
+                if len(z.files) != 1:
+                    raise ValueError(f"it holds {len(z.files)} arrays {z.files[:4]}, not one")
+                got = z[z.files[0]]
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"validation.labels={path!r} cannot be read: {e}", file=str(path),
+                          fix="save one array of labels, one per sample of validation.data: numpy.save(path, labels)"
+                          ) from None
+    if got.ndim == 0 or len(got) != samples:
+        raise ConfigError(f"validation.labels={path!r} holds {0 if got.ndim == 0 else len(got)} labels but "
+                          f"validation.data holds {samples} samples", file=str(path),
+                          fix="give one label per sample of validation.data, in its order (axis 0)")
+    return got
+
+
+def labels_per_feed(labels: np.ndarray, feeds: list[Feed]) -> list[np.ndarray]:
+    """The labels of each feed's samples: validation.data's feeds are its samples in order, batch after batch."""
+    out, at = [], 0
+    for f in feeds:
+        n = _batch(f)
+        out.append(labels[at:at + n])
+        at += n
+    return out
 
 
 # --- logits ---------------------------------------------------------------------------------------------------

@@ -120,6 +120,9 @@ class ValidationConfig:
     samples: int = 4  # with no validation data: draws (new content each) besides the min, opt and max shapes
     seed: int = 0
     engine: bool = True  # also run the engine where a supported GPU exists
+    # a .npy (or an .npz of one array) with one label per sample of validation.data, in its order: given to an
+    # accuracy.metric=module:function as the keyword labels= (the labels of that batch's samples)
+    labels: Optional[str] = None
 
 
 @dataclass

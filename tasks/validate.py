@@ -51,7 +51,7 @@ def validate_onnx(reference: Path, candidate: Path | Callable, feeds: list[dict[
                   emulation: str = "onnxruntime emulation", engine_device: str | None = None,
                   reference_label: str = "fp32", identical: bool = False,
                   evidence: list[str] | None = None, fix: str | None = None, metric=None,
-                  logits: dict | None = None) -> StageResult:
+                  logits: dict | None = None, labels: list | None = None) -> StageResult:
     """Compare candidate (an ONNX file, or a callable such as a composed hybrid model) to the fp32 reference in
     ONNX Runtime on every feed; gate on min_cosine (``gate``); write a JSON report.
 
@@ -82,6 +82,7 @@ def validate_onnx(reference: Path, candidate: Path | Callable, feeds: list[dict[
     refs, kept, warnings = reference_outputs(ref_sess, feeds)
     left_out = [{n: list(a.shape) for n, a in f.items()} for i, f in enumerate(feeds) if i not in set(kept)]
     feeds = [feeds[i] for i in kept]
+    labels = [labels[i] for i in kept] if labels is not None else None  # validation.labels, per feed
     samples = sum(batch_size(f) for f in feeds)
     evidence = list(evidence or [])
     measured: dict[str, dict] | None = None  # per output, of what the gate judges
@@ -117,7 +118,7 @@ def validate_onnx(reference: Path, candidate: Path | Callable, feeds: list[dict[
                            "target's compute capability")
     accuracy = None
     if measured is not None:  # the user's metric on what the gate judges
-        accuracy = {**metric.evaluate(measured_outs, refs, feeds), "source": source}
+        accuracy = {**metric.evaluate(measured_outs, refs, feeds, labels), "source": source}
         metrics.update(accuracy_metric=metric.name, accuracy_score=accuracy["score"])
         accuracy["gated_by"] = "outputs"
         finals = (logits or {}).get("finals") or {}

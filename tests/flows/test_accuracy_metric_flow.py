@@ -109,6 +109,14 @@ def test_a_raising_function_or_bad_settings_stop_the_build_with_a_clear_error_an
             with pytest.raises(ConfigError):
                 preflight(compose_config(overrides(farm, "mild", "int8", *extra), str(farm["conf"])), str(farm["conf"]))
     assert runs() == before  # bad input: no MLflow run
+    np.save(farm["tmp"] / "labels.npy", np.zeros(5, dtype=np.int64))
+    np.savez(farm["tmp"] / "val.npz", x=np.random.default_rng(2).standard_normal((8, 3, 16, 16)).astype(np.float32))
+    labels = ["accuracy.metric=minority_metric:within_5pct", f"validation.labels={farm['tmp'] / 'labels.npy'}"]
+    for extra, words in (([], "validation.data, which is not set"),
+                         ([f"validation.data={farm['tmp'] / 'val.npz'}"], "holds 5 labels but validation.data holds 8")):
+        with pytest.raises(ConfigError, match=words):
+            preflight(compose_config(overrides(farm, "mild", "fp16", *labels, *extra), str(farm["conf"])),
+                      str(farm["conf"]))
 
 
 def test_a_rebuild_that_worsens_the_users_metric_is_refused_naming_it(prefect_harness, farm):

@@ -76,6 +76,13 @@ def boom(outputs, references, feeds):
 
 def not_a_pair(outputs, references, feeds):
     return 0.5
+
+
+def label_accuracy(outputs, references, feeds, labels=None):  # validation.labels, when given
+    if labels is None:
+        return 1.0, True
+    acc = float(np.mean(np.argmax(outputs["prob"], -1) == labels))
+    return acc, acc >= 0.5
 '''
 
 
@@ -146,6 +153,23 @@ def test_a_user_function_is_called_per_batch_and_its_failure_names_it(tmp_path):
             from_config({"metric": f"usermetric_call:{fn}"}, [tmp_path]).evaluate(outs, refs, feeds)
         assert words in e.value.render() and "Traceback" not in e.value.render()
         assert e.value.file == str(tmp_path / "usermetric_call.py")
+
+
+def test_labels_reach_a_user_function_batch_by_batch(tmp_path):
+    from tasks.accuracy import labels_per_feed, load_labels
+
+    (tmp_path / "usermetric_labels.py").write_text(MINORITY)
+    np.save(tmp_path / "labels.npy", np.array([0, 1, 1]))
+    feeds = [{"x": np.zeros((2, 3))}, {"x": np.zeros((1, 3))}]
+    labels = labels_per_feed(load_labels(str(tmp_path / "labels.npy"), 3), feeds)
+    assert [x.tolist() for x in labels] == [[0, 1], [1]]
+    outs = [{"prob": np.array([[0.9, 0.1], [0.8, 0.2]])}, {"prob": np.array([[0.3, 0.7]])}]
+    m = from_config({"metric": "usermetric_labels:label_accuracy"}, [tmp_path])
+    got = m.evaluate(outs, outs, feeds, labels)
+    assert [(b["score"], b["passed"]) for b in got["per_sample"]] == [(0.5, True), (1.0, True)] and got["score"] == 0.5
+    assert m.evaluate(outs, outs, feeds)["score"] == 1.0  # no labels: the keyword is not passed
+    with pytest.raises(ConfigError, match="holds 3 labels but validation.data holds 4 samples"):
+        load_labels(str(tmp_path / "labels.npy"), 4)
 
 
 def test_search_judges_share_the_metric_and_keep_a_margin():
