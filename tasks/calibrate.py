@@ -131,7 +131,7 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
                     f"the {high_precision} graph without any Q/DQ already gives {what} {cos_none:.8f}, below "
                     f"the search's target {min_cosine:.6g} (accuracy.metric={metric.name})", stage=STAGE,
                     file=str(fp32_path),
-                    fix="lower accuracy.min_cosine, or quantize with the rest of the graph in fp32")
+                    fix=f"relax accuracy.metric={metric.name}'s threshold, or quantize with the rest of the graph in fp32")
             flops = onnx_flops(q.base, {n: list(a.shape) for n, a in eval_feeds[0].items()}, layers)
             rank_feeds = list(feeds[:RANK_FEEDS])  # layers are ranked on calibration samples, judged on held-out ones
             local, range_choice = {}, {}
