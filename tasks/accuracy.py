@@ -388,7 +388,8 @@ def labels_per_feed(labels: np.ndarray, feeds: list[Feed]) -> list[np.ndarray]:
 # --- logits ---------------------------------------------------------------------------------------------------
 
 def final_activations(model) -> dict[str, dict[str, str]]:
-    """Graph outputs produced by a Softmax, Sigmoid or LogSoftmax: {output: {"op", "logits": the op's input}}."""
+    """Graph outputs produced by a Softmax, Sigmoid or LogSoftmax (through Identity nodes): {output: {"op", "logits":
+    the op's input}}."""
     import onnx
 
     m = onnx.load(str(model), load_external_data=False) if not isinstance(model, onnx.ModelProto) else model
@@ -396,6 +397,8 @@ def final_activations(model) -> dict[str, dict[str, str]]:
     out = {}
     for o in m.graph.output:
         n = producer.get(o.name)
+        while n is not None and n.op_type == "Identity" and n.input:  # (exporters end graphs with an Identity)
+            n = producer.get(n.input[0])
         if n is not None and n.op_type in LOGIT_OPS and n.input:
             out[o.name] = {"op": n.op_type, "logits": n.input[0]}
     return out
