@@ -198,6 +198,13 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> "BuildInputs":
     backend = backend_for_target(t.name, t.backend, t.compute_capability, t.architecture, t.note)
     model, inputs, outputs, prequant = model_io(cfg, search)
     inputs = bind_constants(cfg, inputs)
+    names = [o.name for o in outputs]
+    for out in cfg.accuracy.outputs:  # per-output tolerances name outputs the model has (torch: known after export)
+        if names and out not in names:
+            near = difflib.get_close_matches(out, names, n=1)
+            raise ConfigError(f"accuracy.outputs.{out}: the model has no output {out!r}"
+                              + (f" (did you mean {near[0]!r}?)" if near else ""),
+                              fix=f"name one of its outputs: {', '.join(names)}")
     calibrates = bool(p.quantized) and not prequant
     if calibrates and not cal.data and m.images is None:
         raise ConfigError(f"precision={p.name} needs calibration data: calibration.data is not set and model {m.name} has no images recipe",

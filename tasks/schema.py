@@ -126,14 +126,6 @@ class ValidationConfig:
 
 
 @dataclass
-class OutputTolerance:
-    """allclose tolerances of one output (unset: accuracy.atol / accuracy.rtol)."""
-
-    atol: Optional[float] = None
-    rtol: Optional[float] = None
-
-
-@dataclass
 class AccuracyConfig:
     """The metric that gates validate, the accuracy search and the scheduled rebuild (tasks/accuracy.py)."""
 
@@ -143,7 +135,7 @@ class AccuracyConfig:
     min_cosine: float = 0.99  # cosine: each output's pooled cosine to the reference reaches this
     atol: float = 1e-5  # allclose: |candidate - reference| <= atol + rtol * |reference| (Polygraphy's defaults)
     rtol: float = 1e-5
-    outputs: Dict[str, OutputTolerance] = field(default_factory=dict)  # allclose: per-output atol/rtol
+    outputs: Dict[str, Dict[str, float]] = field(default_factory=dict)  # allclose, per output: {atol, rtol}
     min_within: float = 1.0  # allclose: share of each output's elements within tolerance
     min_agreement: float = 0.99  # top1: share of rows whose argmax (last axis) agrees with the reference
     greater_is_better: bool = True  # module:function: which way its score is better (the worst is reported)

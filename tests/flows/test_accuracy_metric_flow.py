@@ -101,7 +101,8 @@ def test_a_raising_function_or_bad_settings_stop_the_build_with_a_clear_error_an
                                                                    "ValueError: no labels for batch of"),
                          (["accuracy.metric=minority_metric:missing"], "has no function 'missing'"),
                          (["accuracy.metric=allclos"], "did you mean 'allclose'"),
-                         (["accuracy.metric=allclose", "accuracy.atol=-0.5"], "accuracy.atol=-0.5")):
+                         (["accuracy.metric=allclose", "accuracy.atol=-0.5"], "accuracy.atol=-0.5"),
+                         (["accuracy.metric=allclose", "+accuracy.outputs.prb.atol=1e-3"], "did you mean 'prob'")):
         with pytest.raises(ConfigError) as e:
             build(farm, "mild", "int8", *extra)
         assert words in e.value.render() and "fix:" in e.value.render() and e.value.exit_code == 2, extra
