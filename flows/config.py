@@ -199,6 +199,11 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> "BuildInputs":
     model, inputs, outputs, prequant = model_io(cfg, search)
     inputs = bind_constants(cfg, inputs)
     names = [o.name for o in outputs]
+    if cfg.accuracy.metric == "top1" and outputs and all(isinstance(o.shape[-1] if o.shape else 1, int) and
+                                                         (o.shape[-1] if o.shape else 1) < 2 for o in outputs):
+        raise ConfigError(f"accuracy.metric=top1 judges the argmax of each output's last axis, and no output of the "
+                          f"model has a class axis ({', '.join(f'{o.name} {o.shape}' for o in outputs)})",
+                          fix="use accuracy.metric=allclose or cosine")
     for out in cfg.accuracy.outputs:  # per-output tolerances name outputs the model has (torch: known after export)
         if names and out not in names:
             near = difflib.get_close_matches(out, names, n=1)
