@@ -98,12 +98,6 @@ class Metric:
         """The worse of two scores."""
         return min(a, b) if self.greater_is_better else max(a, b)
 
-    def regressed(self, new: float | None, old: float, tolerance: float) -> bool:
-        """Whether ``new`` is worse than ``old`` by more than ``tolerance`` (in the metric's own units)."""
-        if new is None or not math.isfinite(new):
-            return True
-        return new < old - tolerance if self.greater_is_better else new > old + tolerance
-
     # --- one set ---------------------------------------------------------------------------------------------
     def evaluate(self, outputs: list[Feed], references: list[Feed], feeds: list[Feed],
                  labels: list[np.ndarray] | None = None) -> dict[str, Any]:
@@ -117,23 +111,25 @@ class Metric:
         judged = set()
         for i, (got, ref, feed) in enumerate(zip(outputs, references, feeds)):
             n = _batch(feed)
-            rows: list[dict[str, float]] = [{} for _ in range(n)]
+            names = []
             for name, r in ref.items():
-                c = got[name]
-                num, den = self._counts(name, c, r)
+                num, den = self._counts(name, got[name], r)
                 if den == 0 and self.name == "top1":
                     continue
                 judged.add(name)
+                names.append(name)
                 acc = per_out.setdefault(name, [0.0, 0.0])
                 acc[0] += num
                 acc[1] += den
-                split = np.ndim(r) > 0 and np.shape(r)[0] == n and np.shape(c) == np.shape(r) and n > 1
-                for j in range(n):
-                    cj, rj = (c[j], r[j]) if split else (c, r)
-                    rows[j][name] = self._value(name, cj, rj)
-            for j, row in enumerate(rows):
+            # per sample when every output has the batch axis first; else the feed is one entry
+            split = n > 1 and all(np.ndim(ref[k]) > 0 and np.shape(ref[k])[0] == n and
+                                  np.shape(got[k]) == np.shape(ref[k]) for k in names)
+            for j in range(n if split else 1):
+                row = {k: self._value(k, got[k][j], ref[k][j]) if split else self._value(k, got[k], ref[k])
+                       for k in names}
                 if row:
-                    per_sample.append({"feed": i, "sample": j, "score": min(row.values()), "outputs": row})
+                    per_sample.append({"feed": i, **({"sample": j} if split or n == 1 else {"samples": n}),
+                                       "score": min(row.values()), "outputs": row})
         if self.name == "cosine":
             stats = summarize(compare(r, o) for o, r in zip(outputs, references))
             values = {name: stats[name]["cosine"] for name in references[0]} if references else {}
