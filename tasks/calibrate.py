@@ -71,7 +71,7 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
                   on_sample: Callable[[int, int], None] | None = None,
                   high_precision: str = "fp16",
                   no_layers_ok: bool = False,
-                  data_max: float = DATA_MAX) -> StageResult:
+                  data_max: float = DATA_MAX, metric=None) -> StageResult:
     """Quantize ``fp32_path`` to a Q/DQ graph at ``out_path``, within ``min_cosine`` if given.
 
     ``feeds`` calibrate the ranges (one input dict per sample, shapes may differ); candidates are scored against the
@@ -86,11 +86,19 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
     ``high_precision`` instead of refused.
     Metrics ``search_cosine_worst_feed`` (the written graph) and ``search_cosine_all_quantized`` (every layer) are
     absent when ONNX Runtime cannot run the graph (float8 on a CPU build), never a made-up 1.0.
+    ``metric`` (tasks/accuracy.SearchJudge, default cosine): what judges a candidate and meets ``min_cosine`` (its
+    target, on the metric's scale); the layers are ranked by cosine whatever the metric. With another metric than
+    cosine, ``search_score_worst_feed`` is its value on the written graph and ``search_cosine_worst_feed`` its cosine.
     """
     precision = str(precision).lower()
     choose = method is None and precision == "int8"
     method = str(method or DEFAULT_METHOD.get(precision, "entropy")).lower()
     _check_arguments(method, precision, feeds, high_precision, min_cosine)
+    if metric is None:
+        from .accuracy import Metric
+        metric = Metric().judge()
+    what = metric.label  # the value the search judges by, in words (messages)
+    pooled = metric.name == "cosine"  # cosine: pooled less its standard error; another metric: its worst feed
     held_out = bool(eval_feeds)
     eval_feeds = list(eval_feeds) if eval_feeds else list(feeds)
     judge_feeds = eval_feeds + (list(feeds[:JUDGE_CALIBRATION]) if held_out else [])
@@ -128,6 +136,9 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
             outs = qz.outputs(names, judge_feeds)
             if outs is None:
                 return None
+            if not pooled:  # another metric: its worst feed
+                w = metric.worst(outs, ref, judge_feeds)
+                return Judged(w, 0.0, w, worst=w)
             return Judged(*pooled_estimate([pooled_sums(r, o) for o, r in zip(outs, ref)], JUDGE_Z),
                           worst=worst_feed_cosine(outs[:len(eval_feeds)], ref[:len(eval_feeds)]))
 
@@ -146,20 +157,21 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
             cos_none = score([])
             if cos_none.bound < min_cosine:
                 raise AccuracyError(
-                    f"the {high_precision} graph without any Q/DQ already gives cosine {cos_none.cosine:.8f}"
-                    f"{cos_none.less_se}, below "
-                    f"min_cosine={min_cosine:.6g}", stage=STAGE, file=str(fp32_path),
-                    fix="lower accuracy.min_cosine, or quantize with the rest of the graph in fp32")
+                    f"the {high_precision} graph without any Q/DQ already gives {what} {cos_none.cosine:.8f}"
+                    f"{cos_none.less_se}, below the search's target {min_cosine:.6g} (accuracy.metric={metric.name})",
+                    stage=STAGE, file=str(fp32_path),
+                    fix=f"relax accuracy.metric={metric.name}'s threshold, or quantize with the rest of the graph in fp32")
             flops = onnx_flops(q.base, {n: list(a.shape) for n, a in eval_feeds[0].items()}, layers)
             rank_feeds = list(feeds[:RANK_FEEDS])  # layers are ranked on calibration samples, judged on held-out ones
             local, range_choice = {}, {}
             clock = time.perf_counter()
-            scorer = Switchable(q, judge_feeds, ref, JUDGE_Z)  # one session: any subset scored by feeding flags
+            # one session: any subset scored by feeding flags
+            scorer = Switchable(q, judge_feeds, ref, JUDGE_Z, None if pooled else metric.value)
             all_bound, goal = scorer.estimate(layers)[2], float(min_cosine)
             if choose:  # each tensor's range by the error it causes in the layer that reads it (local, cheap)
                 q_local, local, picked = _ranges_by_local_error(q, prepared, rank_feeds)
                 timing["ranges_chosen"] = time.perf_counter() - clock
-                s_local = Switchable(q_local, judge_feeds, ref, JUDGE_Z)
+                s_local = Switchable(q_local, judge_feeds, ref, JUDGE_Z, None if pooled else metric.value)
                 c_local = s_local.estimate(layers)[2]
                 if c_local > all_bound:  # kept only where the whole model gains (local error is not always global:
                     # layout_cdla all-int8 0.818 with entropy, 0.646 with the locally chosen ranges)
@@ -204,12 +216,12 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
                 row["range"] = range_choice.get(row["node"], method) if choose else method
             if not chosen:
                 raise AccuracyError(
-                    f"no layer can be quantized to {precision} within the search's target cosine {min_cosine:.6g} "
-                    f"(accuracy.min_cosine plus calibration.budget_margin of the allowed error): all {len(layers)} "
+                    f"no layer can be quantized to {precision} within the search's target {what} {min_cosine:.6g} "
+                    f"(accuracy.metric={metric.name} and calibration.budget_margin): all {len(layers)} "
                     f"{'/'.join(QUANT_OPS)} layers together give {cos_all.cosine:.6f}{cos_all.less_se}, and no part of "
-                    f"them that the search tried meets it (pooled over {judged}, less {JUDGE_Z:g} standard error)",
-                    stage=STAGE, file=str(fp32_path),
-                    fix="lower accuracy.min_cosine, calibrate on more representative samples, try another "
+                    f"them that the search tried meets it ({'pooled' if pooled else 'worst feed'} over {judged}"
+                    f"{f', less {JUDGE_Z:g} standard error' if pooled else ''})", stage=STAGE, file=str(fp32_path),
+                    fix=f"relax accuracy.metric={metric.name}'s threshold, calibrate on more representative samples, try another "
                         "calibration method, or build this model at fp16")
         q.write(chosen, out_path)
         search_seconds = time.perf_counter() - t_search
@@ -225,13 +237,16 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
                    "calibration_seconds": calibration_seconds, "search_seconds": search_seconds,
                    "search_runs": search_runs,
                    "calibrate_seconds": time.perf_counter() - t0}
-        if cos_chosen is not None:  # measured (never a stand-in when ONNX Runtime cannot run the graph)
+        if cos_chosen is not None and not pooled:  # the user's metric, and the cosine beside it
+            metrics.update(search_metric=metric.name, search_score_worst_feed=cos_chosen.bound,
+                           search_cosine_worst_feed=worst_feed_cosine(q.outputs(chosen, eval_feeds), ref))
+        elif cos_chosen is not None:  # measured (never a stand-in when ONNX Runtime cannot run the graph)
             metrics.update(search_cosine=cos_chosen.cosine, search_cosine_se=cos_chosen.se,
                            search_cosine_bound=cos_chosen.bound)
             if cos_chosen.worst is not None:
                 metrics["search_cosine_worst_feed"] = cos_chosen.worst
         if cos_all is not None:
-            metrics["search_cosine_all_quantized"] = cos_all.cosine
+            metrics["search_cosine_all_quantized" if pooled else "search_score_all_quantized"] = cos_all.cosine
         return StageResult(
             files=files, metrics=metrics,
             details={
@@ -264,7 +279,7 @@ def qdq_for_segments(segments: list[dict], feeds_for: Callable[[int], list[Feed]
                      search_feeds_for: Callable[[int], list[Feed]] | None, out_dir: Path, *, method: str | None,
                      precision: str, min_cosine: float | None,
                      progress: Callable[[int], contextlib.AbstractContextManager] | None = None,
-                     data_max: float = DATA_MAX) -> StageResult:
+                     data_max: float = DATA_MAX, metric=None) -> StageResult:
     """``qdq_from_onnx`` for each TensorRT segment of a model (``segments``: index, onnx), each on what that segment
     sees of the calibration and search samples; the layer counts summed, each search cosine the lowest segment's
     (absent when no segment measured it), and the sensitivity report of all. A segment without a layer to quantize
@@ -278,15 +293,17 @@ def qdq_for_segments(segments: list[dict], feeds_for: Callable[[int], list[Feed]
             r = qdq_from_onnx(s["onnx"], feeds_for(i), out_dir / f"qdq{i}.onnx", method=method, precision=precision,
                               min_cosine=min_cosine, eval_feeds=search_feeds_for(i) if search_feeds_for else None,
                               workdir=out_dir / f"work{i}", on_sample=on_sample, no_layers_ok=len(segments) > 1,
-                              data_max=data_max)
+                              data_max=data_max, metric=metric)
         files[f"qdq{i}"] = r.files["onnx"]
         for k in ("quantized_layers", "fallback_layers"):
             metrics[k] += r.metrics[k]
-        for k in ("search_cosine", "search_cosine_bound", "search_cosine_worst_feed",
-                  "search_cosine_all_quantized"):  # absent when not measured
+        for k in ("search_cosine", "search_cosine_bound", "search_cosine_worst_feed", "search_cosine_all_quantized",
+                  "search_score_worst_feed", "search_score_all_quantized"):  # absent when not measured
             if k in r.metrics:
                 metrics[k] = min(metrics.get(k, 1.0), r.metrics[k])
         metrics.update(calibration_samples=r.metrics["calibration_samples"], search_samples=r.metrics["search_samples"])
+        if "search_metric" in r.metrics:
+            metrics["search_metric"] = r.metrics["search_metric"]
         details.append({"segment": i, **r.details})
     if not metrics["quantized_layers"] + metrics["fallback_layers"]:
         raise StageError("no TensorRT segment of the model has a Conv/ConvTranspose/MatMul/Gemm node to quantize",

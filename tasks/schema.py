@@ -121,11 +121,28 @@ class ValidationConfig:
     samples: int = 4  # with no validation data: draws (new content each) besides the min, opt and max shapes
     seed: int = 0
     engine: bool = True  # also run the engine where a supported GPU exists
+    # a .npy (or an .npz of one array) with one label per sample of validation.data, in its order: given to an
+    # accuracy.metric=module:function as the keyword labels= (the labels of that batch's samples)
+    labels: Optional[str] = None
 
 
 @dataclass
 class AccuracyConfig:
-    min_cosine: float = 0.99
+    """The metric that gates validate, the accuracy search and the scheduled rebuild (tasks/accuracy.py)."""
+
+    # cosine | allclose | top1 | module:function (the user's, in the working dir or the config dir, called per batch
+    # as fn(outputs, references, feeds) -> (score, passed))
+    metric: str = "cosine"
+    min_cosine: float = 0.99  # cosine: each output's pooled cosine to the reference reaches this
+    atol: float = 1e-5  # allclose: |candidate - reference| <= atol + rtol * |reference| (Polygraphy's defaults)
+    rtol: float = 1e-5
+    outputs: Dict[str, Dict[str, float]] = field(default_factory=dict)  # allclose, per output: {atol, rtol}
+    min_within: float = 1.0  # allclose: share of each output's elements within tolerance
+    min_agreement: float = 0.99  # top1: share of rows whose argmax (last axis) agrees with the reference
+    greater_is_better: bool = True  # module:function: which way its score is better (the worst is reported)
+    # outputs from a final Softmax/Sigmoid/LogSoftmax are also judged on their logits (always reported); true: the
+    # logits gate too (cosine and allclose)
+    gate_logits: bool = False
 
 
 @dataclass

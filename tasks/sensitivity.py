@@ -39,7 +39,7 @@ def _float_dq_inputs(q, full: onnx.ModelProto) -> dict[str, dict[int, str]]:
 class Switchable:
     """Scores any subset of ``q.layers`` quantized (the rest fp32) on ``feeds`` against ``refs`` with one session."""
 
-    def __init__(self, q, feeds: list[dict], refs: list[dict], z: float = 1.0):
+    def __init__(self, q, feeds: list[dict], refs: list[dict], z: float = 1.0, judge=None):
         full = q.qdq(q.layers)  # fp32 remainder; every layer quantized
         m = onnx.ModelProto()
         m.CopyFrom(full)
@@ -64,6 +64,9 @@ class Switchable:
         g.input.extend(helper.make_tensor_value_info(f, TensorProto.BOOL, []) for f in self.flags.values())
         self.session = ort_session(m.SerializeToString(), stage=STAGE)
         self.feeds, self.refs, self.z = feeds, refs, z
+        # another accuracy metric's value of one feed, higher is better (tasks/accuracy.SearchJudge.value): judged on
+        # the worst feed; None: the pooled cosine less z standard errors
+        self.judge = judge
         self.runs = 0  # whole-model runs (one feed each)
         self._norms = {k: sum(float(np.vdot(r[k], r[k])) for r in refs) for k in (refs[0] if refs else {})}
         self._miss: dict[int, float] = {}  # per feed: the largest error share it showed (the hardest run first)
@@ -75,19 +78,40 @@ class Switchable:
         return [min(cosine(got[k], r[k]) for k in r) for got, r in
                 ((self._run(on, f), r) for f, r in zip(feeds or self.feeds, refs or self.refs))]
 
+    def values(self, names, feeds: list[dict] | None = None, refs: list[dict] | None = None) -> list[float]:
+        """Per feed: the accuracy metric's value (``judge``; cosine without one) with exactly ``names`` quantized."""
+        feeds, refs, on = feeds or self.feeds, refs or self.refs, set(names)
+        if self.judge is None:
+            return self.cosines(names, feeds, refs)
+        return [self.judge(self._run(on, f), r, f) for f, r in zip(feeds, refs)]
+
     def estimate(self, names) -> tuple[float, float, float]:
-        """(pooled cosine, standard error, lower bound) on every search feed (``tasks.metrics.pooled_estimate``)."""
+        """(figure, standard error, bound) on every search feed: the pooled cosine (``tasks.metrics.pooled_estimate``),
+        or another metric's worst feed (no standard error)."""
         on = set(names)
-        self.last = pooled_estimate([pooled_sums(r, self._run(on, f)) for f, r in zip(self.feeds, self.refs)], self.z)
+        if self.judge is not None:
+            w = min(self.values(names), default=1.0)
+            self.last = (w, 0.0, w)
+        else:
+            self.last = pooled_estimate([pooled_sums(r, self._run(on, f)) for f, r in zip(self.feeds, self.refs)],
+                                        self.z)
         return self.last
 
     def meets(self, names, target: float) -> bool:
         """Whether the pooled cosine of the search feeds, less ``z`` standard errors, reaches ``target`` with ``names``
-        quantized. The feeds that erred most before run first, and a candidate is refused as soon as the feeds run so
-        far prove it cannot reach ``target`` even pooled alone (their error orthogonal to the reference already exceeds
-        what the whole set allows): most failing candidates are judged in a run or two."""
+        quantized (another metric: every feed's value). The feeds that erred most before run first, and a candidate is
+        refused as soon as the feeds run so far prove it cannot reach ``target`` even pooled alone (their error
+        orthogonal to the reference already exceeds what the whole set allows; another metric: the first feed below):
+        most failing candidates are judged in a run or two."""
         on = set(names)
         order = sorted(range(len(self.feeds)), key=lambda i: -self._miss.get(i, 0.0))
+        if self.judge is not None:
+            for i in order:
+                v = self.judge(self._run(on, self.feeds[i]), self.refs[i], self.feeds[i])
+                self._miss[i] = max(self._miss.get(i, 0.0), target - v)
+                if v < target:
+                    return False
+            return True
         sums: list[dict] = []
         part = {k: np.zeros(3) for k in self._norms}
         allowed = 1.0 - target * target  # of sin^2 of the pooled angle
