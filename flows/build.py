@@ -99,6 +99,8 @@ def publish(ctx: BuildContext) -> dict:
                 (tmp / fname).write_bytes(Path(r.files[key]).read_bytes())
     if "validate" in ctx.results:  # the accuracy verdict in words: what was measured, on what, and how strong it is
         summary["verdict"] = ctx.results["validate"].details.get("verdict")
+        if ctx.results["validate"].details.get("accuracy"):  # the metric, its settings, its value per output and sample
+            summary["accuracy"] = ctx.results["validate"].details["accuracy"]
     if ctx.inputs.traffic is not None:  # the profiles from the traffic: coverage, outliers, the picture
         from tasks.traffic import plot as traffic_plot
         summary["traffic"] = ctx.inputs.traffic[1].as_dict()

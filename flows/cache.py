@@ -166,6 +166,13 @@ def build_key(cfg: Any, config_dir: str | None = None) -> str:
         path = OmegaConf.select(cfg, key)
         if path:
             parts[key] = data_hash(path, key)
+    labels = OmegaConf.select(cfg, "validation.labels")
+    if labels and Path(labels).is_file():  # (a missing file is preflight's error to report)
+        parts["validation.labels"] = sha256_file(labels)
+    from tasks.accuracy import fingerprint
+    metric = fingerprint(c.get("accuracy") or {}, config_dir_search(config_dir))  # a user metric's module file
+    if metric:
+        parts["metric"] = metric
     if (c["model"].get("traffic") or {}).get("source"):
         from tasks.traffic import traffic_hash
         parts["traffic"] = traffic_hash(c["model"]["traffic"]["source"], config_dir_search(config_dir))

@@ -15,6 +15,7 @@ USAGE = """python -m flows.build [--config-dir DIR] [-m] [--cfg] key=value ...
   model=NAME target=sm_XX precision=fp32|fp16|int8|fp8      choose the config group options
   calibration.data=PATH validation.data=PATH               arrays (.npz/.npy or a folder), one per input
   accuracy.min_cosine=0.99  cache_dir=PATH  summary_out=PATH  out_dir=PATH
+  accuracy.metric=cosine|allclose|top1|module:function     what gates validate, the int8 search and rebuilds
   -m target=sm_80,sm_86 precision=fp16,int8                sweep: one build per combination
   --config-dir DIR                                         add DIR (model/NAME.yaml, ...) to the config search path
   --cfg                                                    print the resolved config and exit
@@ -93,7 +94,13 @@ def print_summary(summary: dict, seconds: float) -> None:
     for e in summary["engines"]:
         c.print(f"  engine   {summary['out_dir']}/{e['file']}  ({e['bytes'] / 1e6:.1f} MB, sha256 {e['sha256'][:16]}…)")
     m = summary["metrics"]
-    if "cosine_min" in m:
+    acc = summary.get("accuracy") or {}
+    if "cosine_min" in m and acc.get("metric") not in (None, "cosine"):  # the user's metric first, cosine beside it
+        c.print(f"  accuracy {acc['metric']} {acc['score']:.6g} ({'passed' if acc['passed'] else 'FAILED'}: "
+                f"{acc['rule']}), cosine_min {m['cosine_min']:.6f}, vs "
+                f"{summary['stages']['validate'].get('reference', 'fp32')}, measured by {accuracy_source(summary)}",
+                markup=False)
+    elif "cosine_min" in m:
         c.print(f"  accuracy cosine_min {m['cosine_min']:.6f} vs {summary['stages']['validate'].get('reference', 'fp32')}, "
                 f"measured by {accuracy_source(summary)}", markup=False)
     elif summary.get("verdict"):

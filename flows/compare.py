@@ -65,6 +65,9 @@ def row_of(client, run, runs: int, aliases: dict[str, tuple[str, str]], tmp: Pat
            # the shipped engines' build time: quantized engines report under quantized_* until the names settle
            "build_seconds": sm.get("quantized_build_seconds", sm.get("build_seconds")),
            "engine_p50_ms": sm.get("trt_p50_ms"), "flops_share": sm.get("flops_share")}
+    acc = summary.get("accuracy") or {}
+    if acc.get("score") is not None:  # the metric that gated this build (accuracy.metric), by name
+        row.update(accuracy_metric=acc["metric"], accuracy_score=acc["score"], accuracy_passed=acc.get("passed"))
     alias = f"{t['target']}-{t['precision']}"
     if alias in aliases:
         version, run_id = aliases[alias]

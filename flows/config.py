@@ -177,6 +177,8 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> "BuildInputs":
         raise ConfigError(f"calibration.samples={cal.samples} must be at least 1", fix="e.g. calibration.samples=32")
     if not -1.0 <= cfg.accuracy.min_cosine <= 1.0:
         raise ConfigError(f"accuracy.min_cosine={cfg.accuracy.min_cosine} is outside [-1, 1]", fix="e.g. accuracy.min_cosine=0.99")
+    from tasks.accuracy import from_config as accuracy_metric
+    accuracy_metric(cfg.accuracy, config_dir_search(config_dir))  # unknown name, unimportable function, bad tolerance
     if not cfg.build.fp16_data_max > 0:
         raise ConfigError(f"build.fp16_data_max={cfg.build.fp16_data_max} must be positive",
                           fix="e.g. build.fp16_data_max=32768 (ModelOpt AutoCast's choice is 512)")
@@ -196,6 +198,18 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> "BuildInputs":
     backend = backend_for_target(t.name, t.backend, t.compute_capability, t.architecture, t.note)
     model, inputs, outputs, prequant = model_io(cfg, search)
     inputs = bind_constants(cfg, inputs)
+    names = [o.name for o in outputs]
+    if cfg.accuracy.metric == "top1" and outputs and all(isinstance(o.shape[-1] if o.shape else 1, int) and
+                                                         (o.shape[-1] if o.shape else 1) < 2 for o in outputs):
+        raise ConfigError(f"accuracy.metric=top1 judges the argmax of each output's last axis, and no output of the "
+                          f"model has a class axis ({', '.join(f'{o.name} {o.shape}' for o in outputs)})",
+                          fix="use accuracy.metric=allclose or cosine")
+    for out in cfg.accuracy.outputs:  # per-output tolerances name outputs the model has (torch: known after export)
+        if names and out not in names:
+            near = difflib.get_close_matches(out, names, n=1)
+            raise ConfigError(f"accuracy.outputs.{out}: the model has no output {out!r}"
+                              + (f" (did you mean {near[0]!r}?)" if near else ""),
+                              fix=f"name one of its outputs: {', '.join(names)}")
     calibrates = bool(p.quantized) and not prequant
     if calibrates and not cal.data and m.images is None:
         raise ConfigError(f"precision={p.name} needs calibration data: calibration.data is not set and model {m.name} has no images recipe",
@@ -228,6 +242,16 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> "BuildInputs":
                       recipe=OmegaConf.to_container(m.images) if m.images is not None else None,
                       calibration_samples=cal.samples, validation_samples=cfg.validation.samples, seed=cfg.seed,
                       validation_seed=cfg.validation.seed)
+    if cfg.validation.labels:  # one per sample of validation.data, for a user metric function
+        if "validation.data" not in user:
+            raise ConfigError(f"validation.labels={cfg.validation.labels!r} labels the samples of validation.data, "
+                              "which is not set", fix="set validation.data=PATH too (the samples the labels belong to)")
+        if cfg.accuracy.metric in ("cosine", "allclose", "top1"):
+            raise ConfigError(f"validation.labels is read only by a module:function metric (accuracy.metric="
+                              f"{cfg.accuracy.metric})", fix="set accuracy.metric=module:function, or drop validation.labels")
+        from tasks.accuracy import load_labels
+        from tasks.inputs import batch_size
+        load_labels(cfg.validation.labels, sum(batch_size(f) for f in user["validation.data"].feeds))
     return BuildInputs(backend=backend, inputs=inputs, outputs=outputs, profiles=profiles, rules=rules, search=search,
                        prequantized=prequant, data=data, traffic=traffic)
 

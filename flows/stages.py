@@ -240,16 +240,22 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
         from tasks.prequant import describe
         raise Skip(f"the model is already quantized ({describe(prequantized(ctx))})")
     from tasks.calibrate import low_share_warning, qdq_for_segments
-    from tasks.search import search_target
+    from tasks.search import judged_samples, search_target
     from tasks.segments import segment_feeds
 
     cal, held = ctx.data.calibration, ctx.data.search
     segs, plan, model = trt_segments(ctx), ctx.results["partition"].details, ctx.results["export"].files["onnx"]
-    # the margin grows when few held-out samples judge the search (none held out: the calibration samples judge)
-    target = search_target(ctx.cfg.accuracy.min_cosine, c.budget_margin, (held or cal).samples) if c.search else None
+    # the margin grows when few samples judge the search (held-out and calibration samples, tasks.search.judged_samples)
+    judged = judged_samples(held.samples if held else 0, cal.samples)
+    target = search_target(ctx.cfg.accuracy.min_cosine, c.budget_margin, judged) if c.search else None
+    judge = search_judge(ctx, segs, judged) if c.search else None
+    if judge is not None and judge.name != "cosine":
+        target = judge.target
     q_parts = {"segments": [sha256_file(s["onnx"]) for s in segs], "calibration": cal.key,
                "search": held.key if held else None, "method": c.method, "precision": p.name, "min_cosine": target,
                "fp16_data_max": ctx.cfg.build.fp16_data_max}
+    if judge is not None and judge.name != "cosine":  # the user's metric decides the stopping point
+        q_parts["metric"] = {"settings": judge.metric.settings(), "target": judge.target, **(metric_fingerprint(ctx) or {})}
 
     def quantize(d: Path) -> StageResult:
         def progress(seg: int):
@@ -261,7 +267,7 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
                              lambda i: segment_feeds(model, plan, i, cal.feeds),
                              (lambda i: segment_feeds(model, plan, i, held.feeds)) if held else None, d,
                              method=c.method, precision=p.name, min_cosine=target, progress=progress,
-                             data_max=ctx.cfg.build.fp16_data_max)
+                             data_max=ctx.cfg.build.fp16_data_max, metric=judge)
         if shipped:
             r.details["weight_scales_kept"] = _keep_weight_scales(r, shipped)
         return r
@@ -288,6 +294,68 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
     if note:
         ctx.warn("calibrate", note)
     return StageResult(files=files, metrics={**q.metrics, **e.metrics}, details=details)
+
+
+def accuracy_metric(ctx: BuildContext):
+    """The metric of ``accuracy`` (tasks/accuracy.py): a user function imported from the working or config dir."""
+    from tasks.accuracy import from_config
+
+    return from_config(ctx.cfg.accuracy, ctx.inputs.search)
+
+
+def metric_fingerprint(ctx: BuildContext) -> dict | None:
+    from tasks.accuracy import fingerprint
+
+    return fingerprint(ctx.cfg.accuracy, ctx.inputs.search)
+
+
+def search_judge(ctx: BuildContext, segs: list[dict], samples: int):
+    """What the accuracy search judges with: the user's metric when the one TensorRT segment computes the model's own
+    outputs from its own inputs; else (a model split into segments) the cosine of each segment's outputs, said once."""
+    from tasks.models import graph_io
+    from tasks.graph import load_onnx
+    from tasks.search import search_target
+
+    metric = accuracy_metric(ctx)
+    margin = search_target(0.0, ctx.cfg.calibration.budget_margin, samples)  # the share of the error held in reserve
+    if metric.name == "cosine":
+        return metric.judge(margin)
+    ins, outs = graph_io(load_onnx(segs[0]["onnx"])) if len(segs) == 1 else ([], [])
+    model_outs = [o["name"] for o in ctx.results["export"].details["outputs"]]
+    if len(segs) == 1 and sorted(o.name for o in outs) == sorted(model_outs) and \
+            not ctx.results["partition"].details.get("hybrid"):
+        return metric.judge(margin)
+    ctx.warn("calibrate", f"the model runs in {len(segs)} TensorRT segment(s) with parts in ONNX Runtime: the accuracy "
+                          f"search judges each segment's own outputs by cosine (accuracy.min_cosine); "
+                          f"accuracy.metric={metric.name} gates validate")
+    from tasks.accuracy import Metric
+    return Metric(min_cosine=ctx.cfg.accuracy.min_cosine).judge(margin)
+
+
+def logit_runners(ctx: BuildContext, reference: Path, candidates: list, identical: bool) -> dict | None:
+    """For outputs from a final Softmax/Sigmoid/LogSoftmax: runners of the reference and candidate graphs that also
+    return the logits (the op's input), or the reason the candidate's cannot be read."""
+    from tasks.accuracy import final_activations, with_outputs
+
+    finals = final_activations(reference)
+    if not finals or identical:
+        return None
+    names = [f["logits"] for f in finals.values()]
+    if len(candidates) != 1 or ctx.results["partition"].details.get("hybrid"):
+        return {"finals": finals, "reason": "the model runs in several segments: its logits are not one graph's values"}
+    from tasks.emulate import precision_runner
+    from tasks.ort import ort_runner
+    from tasks.graph import load_onnx
+
+    cand = load_onnx(candidates[0][2])
+    values = {o for n in cand.graph.node for o in n.output}
+    missing = [n for n in names if n not in values]
+    if missing:
+        return {"finals": finals, "reason": f"the candidate graph has no tensor {missing[0]!r} (renamed by its conversion)"}
+    ref_run = ort_runner(with_outputs(reference, names).SerializeToString(), stage="validate")
+    cand_run = precision_runner(with_outputs(cand, names))[0]
+    return {"finals": finals, "reference": lambda f: {k: v for k, v in ref_run(f).items() if k in names},
+            "candidate": lambda f: {k: v for k, v in cand_run(f).items() if k in names}}
 
 
 def weight_only(ctx: BuildContext) -> int:
@@ -373,10 +441,22 @@ def validate(ctx: BuildContext) -> StageResult:
              "min_cosine": ctx.cfg.accuracy.min_cosine, "precision": ctx.cfg.precision.name,  # in the result's labels
              "engines": [sha256_file(e) for _, e, _ in candidates] if engine_reason is None else None,
              "dequantized": file_hash(ref, "onnx") if shipped and dequantized else None}
+    metric = accuracy_metric(ctx)
+    if metric.name != "cosine" or metric.gate_logits:  # what decides the verdict (a user function: its module too)
+        parts["metric"] = {"settings": metric.settings(), **(metric_fingerprint(ctx) or {})}
+    labels = None
+    if ctx.cfg.validation.labels:  # the user function's labels=, per validation batch
+        from tasks.accuracy import labels_per_feed, load_labels
+        from tasks.inputs import batch_size
+        labels = labels_per_feed(load_labels(ctx.cfg.validation.labels, sum(batch_size(f) for f in val.feeds)),
+                                 val.feeds)
+        parts["labels"] = sha256_file(ctx.cfg.validation.labels)
     label = f"{ctx.cfg.model.name} at {ctx.cfg.precision.name}"
     cal = ctx.results.get("calibrate")
     fix = accuracy_fix(prequantized(ctx) or {}) if prequantized(ctx) or cal is None else \
         search_fix(cal.metrics, val.samples, ctx.cfg.calibration.budget_margin)
+    if metric.name != "cosine":  # those fixes speak of cosine
+        fix = None
 
     def work(d: Path) -> StageResult:
         with contextlib.ExitStack() as runners:
@@ -387,7 +467,8 @@ def validate(ctx: BuildContext) -> StageResult:
                                   label=label, reference_label=reference_label, identical=identical,
                                   emulation=emulation_label(ctx.cfg.precision.name),
                                   engine_device=gpu and f"engine on {gpu.name} (sm {gpu.compute_capability})",
-                                  evidence=evidence, fix=fix)
+                                  evidence=evidence, fix=fix, metric=metric,
+                                  logits=logit_runners(ctx, reference, candidates, identical), labels=labels)
             except TrtforgeError as e:  # the failed verdict is a result too: cached, gated below
                 if getattr(e, "result", None) is None:
                     raise

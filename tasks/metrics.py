@@ -104,6 +104,47 @@ def pooled_cosine(outputs: list[dict[str, np.ndarray]], references: list[dict[st
     return headline(summarize(compare(r, o) for o, r in zip(outputs, references)))["cosine_min"]
 
 
+def pooled_sums(reference: dict[str, np.ndarray], candidate: dict[str, np.ndarray]) -> dict[str, tuple[float, float, float]]:
+    """Per output of one feed: (a.b, a.a, b.b) in float64, a the reference: what a pooled cosine adds up (a non-finite
+    or misshapen candidate counts as all-zero: cosine 0)."""
+    out = {}
+    for name, ref in reference.items():
+        a = np.asarray(ref, dtype=np.float64).ravel()
+        b = np.asarray(candidate[name], dtype=np.float64).ravel()
+        if a.shape != b.shape or not np.isfinite(b).all():
+            out[name] = (0.0, float(a @ a), 0.0)
+        else:
+            out[name] = (float(a @ b), float(a @ a), float(b @ b))
+    return out
+
+
+def _pooled(dot: float, na2: float, nb2: float) -> float:
+    if na2 == 0 and nb2 == 0:
+        return 1.0
+    return float(dot / np.sqrt(na2 * nb2)) if na2 > 0 and nb2 > 0 else 0.0
+
+
+def pooled_estimate(per_feed: list[dict[str, tuple[float, float, float]]], z: float = 1.0) -> tuple[float, float, float]:
+    """(cosine, standard error, lower bound) of a set of feeds' ``pooled_sums``: the cosine is validate's statistic
+    (per output, all feeds' values together; the lowest output); its standard error is the jackknife's over the feeds
+    (leave each feed out in turn: how much the figure depends on which samples happened to be drawn, the spread a
+    validation on other samples of the same kind will show), but never below (1 - cosine) / sqrt(feeds): the errors
+    of a quantized network spread over samples about as much as their mean, and a few samples rarely show the
+    tail (PP-OCRv4 det int8 pages: 0.004 to 0.04 around 0.01; the jackknife of 24 pages without a bad one said 0.0005
+    where pooled cosines of sets of 8 pages spread by 0.0028). The bound is the cosine minus ``z`` standard errors."""
+    names = list(per_feed[0]) if per_feed else []
+    total = {k: np.sum([f[k] for f in per_feed], axis=0) for k in names}
+    value = min((_pooled(*total[k]) for k in names), default=1.0)
+    n = len(per_feed)
+    if not n:
+        return value, 0.0, value
+    se = (1.0 - value) / np.sqrt(n)  # the floor: see below
+    if n > 1:
+        loo = np.array([min(_pooled(*(total[k] - np.asarray(f[k]))) for k in names) for f in per_feed])
+        se = max(se, float(np.sqrt((n - 1) / n * np.sum((loo - loo.mean()) ** 2))))
+    return value, float(se), value - z * float(se)
+
+
 def worst_feed_cosine(outputs: list[dict[str, np.ndarray]], references: list[dict[str, np.ndarray]]) -> float:
     """The lowest single-feed cosine of any output (stricter than pooled_cosine)."""
     return min((cosine(o[n], r[n]) for o, r in zip(outputs, references) for n in r), default=1.0)

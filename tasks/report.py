@@ -132,7 +132,26 @@ def accuracy_plot(validation: dict, path: Path) -> Path | None:
     plt = _pyplot()
     outputs = list(per_feed[0])[:12]
     x = list(range(len(per_feed)))
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.6))
+    acc = validation.get("accuracy") or {}
+    own = acc.get("metric") not in (None, "cosine") and acc.get("per_sample")  # the user's metric, in its own units
+    fig, axes = plt.subplots(1, 3 if own else 2, figsize=(16.5 if own else 11, 3.6))
+    a1, a2 = axes[0], axes[1]
+    if own:
+        a3, rows = axes[2], acc["per_sample"]
+        if acc.get("outputs"):  # built-in metrics: per sample and output
+            for name in list(acc["outputs"])[:12]:
+                a3.plot(range(len(rows)), [r["outputs"].get(name, float("nan")) for r in rows], marker="o", label=name)
+            a3.set_xlabel("validation sample #")
+        else:  # a user function: per batch
+            a3.plot(range(len(rows)), [r["score"] for r in rows], marker="o", label=acc["metric"])
+            for i, r in enumerate(rows):
+                if not r.get("passed", True):
+                    a3.plot([i], [r["score"]], marker="x", color="#c62828", ms=10)
+            a3.set_xlabel("validation batch # (x: failed)")
+        a3.set_title(f"{acc['metric']} ({'higher' if acc.get('greater_is_better', True) else 'lower'} is better)",
+                     fontsize=10)
+        a3.grid(alpha=0.3)
+        a3.legend(fontsize=7)
     for name in outputs:
         cos = [f[name]["cosine"] for f in per_feed if name in f]
         a1.plot(x[:len(cos)], [max(1.0 - c, 0.0) for c in cos], marker="o", label=name)
@@ -294,6 +313,7 @@ def _accuracy(s: dict, v: dict | None, out_dir: Path) -> str:
             head += f" (budget accuracy.min_cosine {num('validation', 'min_cosine', v['min_cosine'])}" \
                     f"{', passed' if v.get('passed') else ', FAILED'})"
         head += "</p>"
+    head += _metric(v.get("accuracy"))
     if v.get("verdict"):
         head += f"<p>verdict: <b>{esc(v['verdict'])}</b></p>"
     for why in v.get("evidence") or []:
@@ -325,10 +345,36 @@ def _accuracy(s: dict, v: dict | None, out_dir: Path) -> str:
     return out
 
 
+def _metric(acc: dict | None) -> str:
+    """The metric that gated (accuracy.metric) by name: its rule, worst value, value per output, the logits of outputs
+    from a final Softmax/Sigmoid/LogSoftmax, and which level gated."""
+    if not acc:
+        return ""
+    out = (f"<p>accuracy.metric <b>{esc(acc['metric'])}</b>: {esc(acc.get('rule', ''))}; worst "
+           f"{'score' if acc.get('greater_is_better', True) else 'score (lower is better)'} "
+           f"<b>{num('validation', 'accuracy.score', acc['score'])}</b>, "
+           f"{'passed' if acc.get('passed') else 'FAILED'} (gated by the {esc(acc.get('gated_by', 'outputs'))})</p>")
+    if acc.get("outputs"):
+        out += table(["output", f"{acc['metric']} (all inputs)"],
+                     [[esc(n), num("validation", f"accuracy.outputs.{n}", x)] for n, x in acc["outputs"].items()],
+                     numeric=[1])
+    if acc.get("logits"):
+        out += "<p class='muted'>on the logits (the input of the final activation):</p>" + table(
+            ["output", "op", "logits", "cosine", "allclose within", "atol", "rtol", "max |error|"],
+            [[esc(n), esc(r["op"]), esc(r["logits"]), num("validation", f"accuracy.logits.{n}.cosine", r["cosine"]),
+              num("validation", f"accuracy.logits.{n}.allclose_within", r["allclose_within"]), fmt(r["atol"]),
+              fmt(r["rtol"]), num("validation", f"accuracy.logits.{n}.max_abs", r["max_abs"])]
+             for n, r in acc["logits"].items()], numeric=[3, 4, 5, 6, 7])
+    elif acc.get("logits_not_measured"):
+        out += f"<p class='muted'>logits not compared: {esc(acc['logits_not_measured'])}</p>"
+    return out
+
+
 def _quantization(s: dict, sens: dict | None, out_dir: Path) -> str:
     m = s.get("metrics", {})
     keys = [k for k in ("quantized_layers", "fallback_layers", "calibration_samples", "search_samples",
-                        "search_cosine_worst_feed", "search_cosine_all_quantized", "search_cosine_fp16") if k in m]
+                        "search_cosine_worst_feed", "search_cosine_all_quantized", "search_cosine_fp16", "search_metric",
+                        "search_score_worst_feed", "search_score_all_quantized") if k in m]
     if not keys and not (out_dir / "sensitivity.png").is_file():
         return ""
     head = "Quantization" if "quantized_layers" in m else "fp16 accuracy search (nodes kept in fp32)"
@@ -468,7 +514,7 @@ def _config(s: dict, out_dir: Path) -> str:
 # --- compare.html -------------------------------------------------------------------------------------------------
 
 COMPARE_COLUMNS = ("model", "target", "precision", "status", "cosine_min", "engine MB", "build s", "precision profile",
-                   "engine p50 ms", "registry", "runs", "run")
+                   "engine p50 ms", "accuracy.metric=score", "registry", "runs", "run")
 
 
 def profile_text(share: dict | None) -> str:
@@ -486,7 +532,15 @@ def compare_cells(row: dict) -> list[str]:
 
     return [row["model"], row["target"], row["precision"], row.get("status") or "", n("cosine_min"),
             n("engine_bytes", 1e-6, ".2f"), n("build_seconds", 1.0, ".2f"), profile_text(row.get("flops_share")),
-            n("engine_p50_ms", 1.0, ".3f"), row.get("registry") or "", str(row.get("runs", "")), row["run_id"][:8]]
+            n("engine_p50_ms", 1.0, ".3f"), accuracy_cell(row), row.get("registry") or "", str(row.get("runs", "")),
+            row["run_id"][:8]]
+
+
+def accuracy_cell(row: dict) -> str:
+    """The metric that gated the build and its (worst) value, one word: ``allclose=1``; empty when not measured."""
+    if row.get("accuracy_metric") is None or row.get("accuracy_score") is None:
+        return ""
+    return f"{row['accuracy_metric']}={row['accuracy_score']:.6g}" + ("" if row.get("accuracy_passed", True) else "(FAILED)")
 
 
 def compare_text(rows: list[dict]) -> str:
@@ -545,8 +599,9 @@ def compare_html(rows: list[dict], source: str, plot: Path | None) -> str:
             if r.get(key) is not None:
                 c[i] = num(f"run:{r['run_id']}", key, r[key], c[i])
         c[0], c[1], c[2] = esc(c[0]), esc(c[1]), esc(c[2])
-        c[7], c[9], c[11] = esc(c[7]), esc(c[9]), f"<code>{esc(r['run_id'])}</code>"
-    body.append(table(list(COMPARE_COLUMNS), cells, numeric=[4, 5, 6, 8, 10]))
+        c[7], c[10], c[12] = esc(c[7]), esc(c[10]), f"<code>{esc(r['run_id'])}</code>"
+        c[9] = num(f"run:{r['run_id']}", "accuracy_score", r["accuracy_score"], c[9]) if c[9] else ""
+    body.append(table(list(COMPARE_COLUMNS), cells, numeric=[4, 5, 6, 8, 11]))
     if plot is not None:
         body.append(img(plot, "per build: accuracy loss, engine size, build time, engine latency where measured"))
     return page("trtforge: compare", "".join(body))

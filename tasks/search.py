@@ -27,6 +27,15 @@ def search_target(budget: float, margin: float, samples: int | None = None) -> f
 MARGIN_SAMPLES = 8  # held-out samples at which calibration.budget_margin applies as given
 
 
+JUDGE_CALIBRATION = 8  # calibration feeds judged beside the held-out ones
+
+
+def judged_samples(held_out: int, calibration: int) -> int:
+    """How many samples judge the search (tasks/calibrate.py): the held-out ones and up to ``JUDGE_CALIBRATION`` of the
+    calibration samples; the calibration samples alone when none are held out."""
+    return held_out + min(calibration, JUDGE_CALIBRATION) if held_out else calibration
+
+
 def restore_search(layers: list[str], meets: Callable[[list[str]], bool], harm: dict[str, float],
                    flops: dict[str, float] | None = None, refine: int = 24,
                    refine_share: float = 0.005) -> tuple[list[str], int]:

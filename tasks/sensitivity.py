@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from .metrics import cosine
+from .metrics import cosine, pooled_estimate, pooled_sums
 from .ort import ort_run, ort_session
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
@@ -39,7 +39,7 @@ def _float_dq_inputs(q, full: onnx.ModelProto) -> dict[str, dict[int, str]]:
 class Switchable:
     """Scores any subset of ``q.layers`` quantized (the rest fp32) on ``feeds`` against ``refs`` with one session."""
 
-    def __init__(self, q, feeds: list[dict], refs: list[dict]):
+    def __init__(self, q, feeds: list[dict], refs: list[dict], z: float = 1.0, judge=None):
         full = q.qdq(q.layers)  # fp32 remainder; every layer quantized
         m = onnx.ModelProto()
         m.CopyFrom(full)
@@ -63,31 +63,79 @@ class Switchable:
         g.node.extend(nodes)
         g.input.extend(helper.make_tensor_value_info(f, TensorProto.BOOL, []) for f in self.flags.values())
         self.session = ort_session(m.SerializeToString(), stage=STAGE)
-        self.feeds, self.refs = feeds, refs
+        self.feeds, self.refs, self.z = feeds, refs, z
+        # another accuracy metric's value of one feed, higher is better (tasks/accuracy.SearchJudge.value): judged on
+        # the worst feed; None: the pooled cosine less z standard errors
+        self.judge = judge
         self.runs = 0  # whole-model runs (one feed each)
-        self._last: dict[int, float] = {}  # per search feed: the lowest cosine seen (hardest first)
+        self._norms = {k: sum(float(np.vdot(r[k], r[k])) for r in refs) for k in (refs[0] if refs else {})}
+        self._miss: dict[int, float] = {}  # per feed: the largest error share it showed (the hardest run first)
+        self.last: tuple[float, float, float] | None = None  # (cosine, standard error, bound) of the last full judgement
 
     def cosines(self, names, feeds: list[dict] | None = None, refs: list[dict] | None = None) -> list[float]:
         """Per feed: the lowest cosine of any output to its reference with exactly ``names`` quantized."""
-        return [self._cosine(set(names), f, r) for f, r in zip(feeds or self.feeds, refs or self.refs)]
+        on = set(names)
+        return [min(cosine(got[k], r[k]) for k in r) for got, r in
+                ((self._run(on, f), r) for f, r in zip(feeds or self.feeds, refs or self.refs))]
+
+    def values(self, names, feeds: list[dict] | None = None, refs: list[dict] | None = None) -> list[float]:
+        """Per feed: the accuracy metric's value (``judge``; cosine without one) with exactly ``names`` quantized."""
+        feeds, refs, on = feeds or self.feeds, refs or self.refs, set(names)
+        if self.judge is None:
+            return self.cosines(names, feeds, refs)
+        return [self.judge(self._run(on, f), r, f) for f, r in zip(feeds, refs)]
+
+    def estimate(self, names) -> tuple[float, float, float]:
+        """(figure, standard error, bound) on every search feed: the pooled cosine (``tasks.metrics.pooled_estimate``),
+        or another metric's worst feed (no standard error)."""
+        on = set(names)
+        if self.judge is not None:
+            w = min(self.values(names), default=1.0)
+            self.last = (w, 0.0, w)
+        else:
+            self.last = pooled_estimate([pooled_sums(r, self._run(on, f)) for f, r in zip(self.feeds, self.refs)],
+                                        self.z)
+        return self.last
 
     def meets(self, names, target: float) -> bool:
-        """Whether every search feed's cosine reaches ``target`` with ``names`` quantized: the feeds that failed or
-        came lowest before are run first, and the first one below ends it (most candidates that fail are judged in
-        one run, not one per feed)."""
+        """Whether the pooled cosine of the search feeds, less ``z`` standard errors, reaches ``target`` with ``names``
+        quantized (another metric: every feed's value). The feeds that erred most before run first, and a candidate is
+        refused as soon as the feeds run so far prove it cannot reach ``target`` even pooled alone (their error
+        orthogonal to the reference already exceeds what the whole set allows; another metric: the first feed below):
+        most failing candidates are judged in a run or two."""
         on = set(names)
-        for i in sorted(range(len(self.feeds)), key=lambda i: self._last.get(i, 1.0)):
-            c = self._cosine(on, self.feeds[i], self.refs[i])
-            self._last[i] = min(self._last.get(i, 1.0), c)
-            if c < target:
+        order = sorted(range(len(self.feeds)), key=lambda i: -self._miss.get(i, 0.0))
+        if self.judge is not None:
+            for i in order:
+                v = self.judge(self._run(on, self.feeds[i]), self.refs[i], self.feeds[i])
+                self._miss[i] = max(self._miss.get(i, 0.0), target - v)
+                if v < target:
+                    return False
+            return True
+        sums: list[dict] = []
+        part = {k: np.zeros(3) for k in self._norms}
+        allowed = 1.0 - target * target  # of sin^2 of the pooled angle
+        for i in order:
+            s = pooled_sums(self.refs[i], self._run(on, self.feeds[i]))
+            sums.append(s)
+            for k, v in s.items():
+                part[k] += v
+            miss = 0.0
+            for k, (dot, na2, nb2) in part.items():
+                # min over a scale c of |a - c b|^2 on the feeds so far: a lower bound of the whole set's
+                err = na2 - dot * dot / nb2 if nb2 > 0 else na2
+                miss = max(miss, err / self._norms[k] if self._norms[k] > 0 else 0.0)
+            mine = {k: (v[1] - v[0] * v[0] / v[2] if v[2] > 0 else v[1]) / (self._norms[k] or 1.0) for k, v in s.items()}
+            self._miss[i] = max(self._miss.get(i, 0.0), max(mine.values(), default=0.0))
+            if miss > allowed:
                 return False
-        return True
+        self.last = pooled_estimate(sums, self.z)
+        return self.last[2] >= target
 
-    def _cosine(self, on: set, feed: dict, ref: dict) -> float:
+    def _run(self, on: set, feed: dict) -> dict:
         flags = {f: np.array(n in on) for n, f in self.flags.items()}
-        got = ort_run(self.session, {**feed, **flags}, stage=STAGE)
         self.runs += 1
-        return min(cosine(got[k], ref[k]) for k in ref)
+        return ort_run(self.session, {**feed, **flags}, stage=STAGE)
 
 
 def probe_model(q, full: onnx.ModelProto, fp32: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str], dict[str, str]]:
@@ -122,9 +170,12 @@ def probe_model(q, full: onnx.ModelProto, fp32: onnx.ModelProto) -> tuple[onnx.M
     return m, need, outputs
 
 
-def local_errors(quantizers: dict[str, object], fp32_path, feeds: list[dict]) -> dict[str, dict[str, float]]:
-    """{method: {layer: relative squared error of the layer's output (pooled over ``feeds``) when only that layer is
-    quantized with ``method``'s ranges}}, from one fp32 pass per feed. ``quantizers``: {method: Quantizer}."""
+def local_errors(quantizers: dict[str, object], fp32_path, feeds: list[dict],
+                 worst: bool = False) -> dict[str, dict[str, float]]:
+    """{method: {layer: relative squared error of the layer's output when only that layer is quantized with
+    ``method``'s ranges}}, from one fp32 pass per feed. ``quantizers``: {method: Quantizer}. Pooled over ``feeds``, or
+    with ``worst`` the largest of any single feed: a range that clips suits most samples and fails the few whose
+    values reach past it (PP-OCRv4 det: pages in large type), which a pooled error hides."""
     from .segments import run_with_intermediates
 
     fp32 = onnx.load(str(fp32_path))
@@ -135,6 +186,11 @@ def local_errors(quantizers: dict[str, object], fp32_path, feeds: list[dict]) ->
     sessions = {method: ort_session(m.SerializeToString(), stage=STAGE) for method, (m, _, _) in probes.items()}
     num = {method: {} for method in probes}
     den: dict[str, float] = {}
+    top = {method: {} for method in probes}
+
+    def rel(v: float, d: float) -> float:
+        return v / d if d else (0.0 if v == 0 else float("inf"))
+
     for feed in feeds:
         cap = run_with_intermediates(fp32, names, [feed])[0]
         for method, (_, need, outs) in probes.items():
@@ -142,8 +198,11 @@ def local_errors(quantizers: dict[str, object], fp32_path, feeds: list[dict]) ->
             for layer, o in outs.items():
                 ref = cap[o].astype(np.float64, copy=False)
                 d = got[o + "__quantized"].astype(np.float64, copy=False) - ref
-                num[method][layer] = num[method].get(layer, 0.0) + float(np.vdot(d, d))
+                e, r = float(np.vdot(d, d)), float(np.vdot(ref, ref))
+                num[method][layer] = num[method].get(layer, 0.0) + e
+                top[method][layer] = max(top[method].get(layer, 0.0), rel(e, r))
                 if method == next(iter(probes)):
-                    den[layer] = den.get(layer, 0.0) + float(np.vdot(ref, ref))
-    return {method: {layer: (v / den[layer] if den.get(layer) else (0.0 if v == 0 else float("inf")))
-                     for layer, v in errs.items()} for method, errs in num.items()}
+                    den[layer] = den.get(layer, 0.0) + r
+    if worst:
+        return top
+    return {method: {layer: rel(v, den.get(layer, 0.0)) for layer, v in errs.items()} for method, errs in num.items()}

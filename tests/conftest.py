@@ -45,6 +45,14 @@ def cls_path() -> Path:
     return pkg_model("ch_ppocr_mobile_v2.0_cls_infer.onnx")
 
 
+def model_conf(root: Path, name: str, source: Path, profile: str) -> Path:
+    """A user's config dir holding conf/model/<name>.yaml for ``source`` with one profile (its YAML flow mapping)."""
+    d = root / "conf"
+    (d / "model").mkdir(parents=True, exist_ok=True)
+    (d / "model" / f"{name}.yaml").write_text(f"name: {name}\nsource: {source}\nprofiles:\n  - {profile}\n")
+    return d
+
+
 def make_conv_model(path: Path, channels: int = 8, custom_op: str | None = None, opset: int = 17) -> Path:
     """x[N,3,H,W] -> Conv -> Relu -> (optional custom op) -> Conv -> y. Weights seeded, dynamic N/H/W."""
     from onnx import helper, numpy_helper

@@ -12,6 +12,7 @@ import pytest
 
 from flows.config import compose_config
 from tasks.util import sha256_file
+from tests.conftest import model_conf
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -315,7 +316,8 @@ def test_int8_from_calibration_data_is_quantized_validated_and_cached_across_tar
     cal, search, val = s["data"]["calibration"], s["data"]["search"], s["data"]["validation"]
     assert (cal["samples"], search["samples"], val["samples"]) == (6, 3, 3) and cal["kind"] == "file"
     assert cal["shapes"] == [{"shape": {"x": [1, 3, 16, 16]}, "feeds": 6}] and cal["files"][0]["file"] == "cal.npz"
-    assert "held out for the accuracy search" in search["source"] and m["search_samples"] == 3
+    # the search judges its 3 held-out samples and (up to 8 of) the calibration samples
+    assert "held out for the accuracy search" in search["source"] and m["search_samples"] == 3 + 6
     assert m["calibration_samples"] == 6
     run = mlflow_run(s["mlflow"]["run_id"])
     assert run.data.tags["validation.data"].startswith("3 samples: samples held out for validation")
@@ -467,11 +469,8 @@ def test_a_segment_the_builder_refuses_falls_back_to_onnx_runtime(prefect_harnes
     """Any builder failure, not only control flow: the failing node is found by bisecting the segment (real TensorRT-RTX
     builds), runs in ONNX Runtime, the rest is rebuilt, and partition.json and the note say which node and why;
     partition.strict=true fails with the builder's words instead."""
-    d = tmp_path / "conf"
-    (d / "model").mkdir(parents=True)
-    src = make_topk_model(tmp_path / "topk.onnx")
-    (d / "model" / "topk.yaml").write_text(f"name: topk\nsource: {src}\n"
-                                           "profiles:\n  - x: {min: [1, 3, 32, 32], opt: [2, 3, 32, 32], max: [4, 3, 32, 32]}\n")
+    d = model_conf(tmp_path, "topk", make_topk_model(tmp_path / "topk.onnx"),
+                   "x: {min: [1, 3, 32, 32], opt: [2, 3, 32, 32], max: [4, 3, 32, 32]}")
     s = build(["model=topk", "precision=fp16", "stages.benchmark=false"], d, tmp_path / "a")
     assert s["status"] == "ok", s.get("error")
     note = s["stages"]["partition"]["note"]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tests.conftest import model_conf
 from tests.flows.test_build_flow import build
 
 N = 12
@@ -36,11 +37,8 @@ def make_int8_constants_model(path: Path) -> Path:
 
 
 def test_a_failure_many_nodes_share_is_excluded_by_kind_in_one_replan(prefect_harness, tmp_path):
-    d = tmp_path / "conf"
-    (d / "model").mkdir(parents=True)
-    src = make_int8_constants_model(tmp_path / "consts.onnx")
-    (d / "model" / "consts.yaml").write_text(f"name: consts\nsource: {src}\n"
-                                             "profiles:\n  - x: {min: [1, 16], opt: [4, 16], max: [8, 16]}\n")
+    d = model_conf(tmp_path, "consts", make_int8_constants_model(tmp_path / "consts.onnx"),
+                   "x: {min: [1, 16], opt: [4, 16], max: [8, 16]}")
     s = build(["model=consts", "precision=fp16", "stages.benchmark=false"], d, tmp_path / "a")
     assert s["status"] == "ok", s.get("error")
     note = s["stages"]["partition"]["note"]
@@ -55,11 +53,8 @@ def test_a_failure_many_nodes_share_is_excluded_by_kind_in_one_replan(prefect_ha
 def test_a_builder_error_after_the_fallback_says_the_fix_that_matches_its_cause(prefect_harness, tmp_path):
     """With the fallback off, the builder's words once and the fix for an 8-bit constant read by another op (not the
     profiles), and no TensorRT log lines."""
-    d = tmp_path / "conf"
-    (d / "model").mkdir(parents=True)
-    src = make_int8_constants_model(tmp_path / "consts.onnx")
-    (d / "model" / "consts.yaml").write_text(f"name: consts\nsource: {src}\n"
-                                             "profiles:\n  - x: {min: [1, 16], opt: [4, 16], max: [8, 16]}\n")
+    d = model_conf(tmp_path, "consts", make_int8_constants_model(tmp_path / "consts.onnx"),
+                   "x: {min: [1, 16], opt: [4, 16], max: [8, 16]}")
     s = build(["model=consts", "precision=fp16", "stages.benchmark=false", "partition.build_fallback=false"], d,
               tmp_path / "b")
     assert s["status"] == "failed"
