@@ -134,7 +134,7 @@ def test_a_rebuild_that_worsens_the_users_metric_is_refused_naming_it(prefect_ha
     mv = c.get_model_version_by_alias(name, "sm_86-fp16")
     assert mv.tags["accuracy_metric"] == "minority_metric:relative_error"
     assert float(mv.tags["accuracy_score"]) == pytest.approx(s["accuracy"]["score"])
-    make_softmax_classifier(farm["tmp"] / "mild.onnx", underflow=22)  # the same function in fp32
+    make_softmax_classifier(farm["tmp"] / "mild.onnx", underflow=19)  # the same function in fp32 (2^-22 is kept fp32 by the underflow guard)
     r = rebuild_pass(None, experiment=farm["experiment"], log=lambda *_: None)
     failed = [x for x in r["failed"] if x["model"] == name and x["precision"] == "fp16"]
     assert failed and "accuracy.metric=minority_metric:relative_error scores" in failed[0]["reason"], r
