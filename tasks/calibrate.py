@@ -40,7 +40,6 @@ STAGE = "calibrate"
 HIGH_PRECISIONS = ("fp16", "fp32")
 MIN_OPSET = 19  # float16 Q/DQ scales (the fp16 remainder) and float8 need opset 19
 RANK_FEEDS = 8  # calibration samples the local errors (range choice, report) are measured on
-GIVE_BACK = 8  # then layers given back one by one (each judged on the written graph), before nothing is quantized
 FP16_RETRIES = 2  # searches again with a higher goal when the written graph (fp16 remainder) misses the target
 HARM_FEEDS = 1  # calibration samples each layer's restore gain (the search's ranking) is measured on
 JUDGE_Z = 1.0  # standard errors of the pooled cosine a candidate's figure is lowered by before it meets the target
@@ -197,13 +196,17 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
                     break
                 gap = scorer.estimate(chosen)[2] - cos_chosen.bound  # what the fp16 remainder costs this choice
                 goal = min(1.0, max(goal, float(min_cosine) + 1.5 * max(gap, 0.0)) + (min_cosine - cos_chosen.bound))
-                chosen, _ = restore_search(layers, lambda names: scorer.meets(names, goal), harm, flops)
-                cos_chosen = score(chosen) if chosen else cos_none
-            for n in sorted(chosen, key=lambda n: -(harm.get(n) or 0.0))[:GIVE_BACK]:
-                if cos_chosen.bound >= min_cosine:  # still short: give back the most harmful chosen layers one by one
+                again, _ = restore_search(layers, lambda names: scorer.meets(names, goal), harm, flops)
+                if not again:  # the higher goal leaves nothing quantized: give back from this choice instead
                     break
-                chosen.remove(n)
+                chosen, cos_chosen = again, score(again)
+            # still short: give back the most harmful chosen layers, 1, 2, 4, ... of them (each judged on the written
+            # graph), until the written graph meets the target or nothing is quantized
+            give_back, k = sorted(chosen, key=lambda n: -(harm.get(n) or 0.0)), 1
+            while chosen and cos_chosen.bound < min_cosine:
+                chosen = [n for n in chosen if n not in set(give_back[:k])]
                 cos_chosen = score(chosen) if chosen else cos_none
+                k *= 2
             if chosen and cos_chosen.bound < min_cosine:
                 chosen, cos_chosen = [], cos_none
             search_runs = scorer.runs
