@@ -82,6 +82,7 @@ class BuildContext:
     origin: dict[str, Any] = field(default_factory=dict)  # this run (e.g. the flow run), stored with what it computes
     computed: list[tuple[str, str]] = field(default_factory=list)  # (cache entry, key) computed by this run
     deps: dict = field(default_factory=dict)  # files read and libraries used by every stage result (summary "inputs")
+    fp16_search: bool = False  # fp16: the build searches the nodes to keep fp32 (set once validate missed the budget)
 
     @property
     def backend(self):

@@ -154,14 +154,20 @@ def _build_engines(ctx: BuildContext) -> StageResult:
     segs = trt_segments(ctx)
     # fp16: what the user's data holds decides which nodes stay fp32 (values beyond fp16's safe range)
     ranged = (ctx.data.calibration or ctx.data.validation) if precision == "fp16" else None
-    # fp16 under the accuracy budget: nodes kept fp32 until the search's held-out samples meet its target
-    held = ctx.data.search if precision == "fp16" and p.name == "fp16" and ctx.cfg.calibration.search else None
-    # judged on the worst held-out sample (stricter than validate's pooled figure): the margin as given, not grown for
-    # few samples (a static profile's generated search set is one sample: the grown margin asked for cosine 1.0)
-    target = search_target(ctx.cfg.accuracy.min_cosine, ctx.cfg.calibration.budget_margin) if held is not None else None
+    # fp16 under the accuracy budget: nodes kept fp32 until the search's held-out samples meet its target; only once the
+    # graph as converted missed the budget in validate (fp16_search_due), so builds that meet it pay nothing for it
+    held = ctx.data.search if ctx.fp16_search and fp16_searchable(ctx) else None
+    # judged by accuracy.metric as the int8 search judges (cosine: pooled, less one standard error, which already widens
+    # for few samples): the margin as given, not grown for few samples (a static profile's generated search set is one
+    # sample: the grown margin asked for cosine 1.0)
+    judge = search_judge(ctx, segs, None, stage="build") if held is not None else None
+    target = (search_target(ctx.cfg.accuracy.min_cosine, ctx.cfg.calibration.budget_margin) if judge.name == "cosine"
+              else judge.target) if judge is not None else None
     parts = {"segments": [(sha256_file(s["onnx"]), s["profiles"]) for s in segs], "precision": precision, "label": label,
              "build": ctx.c("build"), "backend": ctx.backend.version, "compute_capability": t.compute_capability,
              "range_data": ranged.key if ranged else None, "search": held.key if held else None, "target": target}
+    if judge is not None and judge.name != "cosine":  # the user's metric decides the stopping point
+        parts["metric"] = {"settings": judge.metric.settings(), "target": judge.target, **(metric_fingerprint(ctx) or {})}
 
     def work(d: Path) -> StageResult:  # values beyond fp16's safe range: one run of the whole model (segments keep names)
         keep, cancel, tiny = fp16_hazards_from_data(load_onnx(ctx.results["export"].files["onnx"]), ranged.feeds,
@@ -174,7 +180,7 @@ def _build_engines(ctx: BuildContext) -> StageResult:
             if held is None:
                 return None
             return {"feeds": held_feeds.get(i, []), "target": target, "samples_text":
-                    f"held-out samples ({held.source})", "budget": ctx.cfg.accuracy.min_cosine}
+                    f"held-out samples ({held.source})", "budget": ctx.cfg.accuracy.min_cosine, "metric": judge}
 
         convs = {s["index"]: onnx_at_precision(s["onnx"], precision, d / f"{ctx.cfg.model.name}.{t.name}.{label}{s['name']}.onnx",
                                                keep, cancel, tiny, search(s["index"])) for s in segs}
@@ -187,8 +193,13 @@ def _build_engines(ctx: BuildContext) -> StageResult:
             r.metrics["fallback_layers"] = sum(c.metrics["fallback_layers"] for _, c in searched)
             r.metrics["search_runs"] = sum(c.metrics["search_runs"] for _, c in searched)
             r.metrics["search_samples"] = max(c.metrics["search_samples"] for _, c in searched)
-            for k in ("search_cosine_worst_feed", "search_cosine_fp16"):
-                r.metrics[k] = min(c.metrics[k] for _, c in searched)
+            for k in ("search_cosine", "search_cosine_se", "search_cosine_bound", "search_cosine_worst_feed",
+                      "search_cosine_fp16", "search_score_worst_feed", "search_score_fp16"):
+                if any(k in c.metrics for _, c in searched):  # absent when not measured
+                    pick = max if k == "search_cosine_se" else min
+                    r.metrics[k] = pick(c.metrics[k] for _, c in searched if k in c.metrics)
+            if any("search_metric" in c.metrics for _, c in searched):
+                r.metrics["search_metric"] = judge.name
             from tasks.report import sensitivity_report
             r.files.update(sensitivity_report([
                 {"segment": i, "method": "fp16 accuracy search (nodes ranked by error growth)", "precision": "fp16",
@@ -216,11 +227,14 @@ def _build_engines(ctx: BuildContext) -> StageResult:
     kept_by_search = {n: v for f in found for n, v in f["kept"].items()}
     if kept_by_search:
         worst = sorted(kept_by_search, key=lambda n: -kept_by_search[n])[:5]
+        pooled = "search_cosine_bound" in r.metrics
+        after = r.metrics["search_cosine_bound" if pooled else "search_score_worst_feed"]
         ctx.stages.setdefault("build", {})["note"] = (
             f"fp16 accuracy search: {len(kept_by_search)} node{'s' if len(kept_by_search) > 1 else ''} kept in fp32 "
-            f"({', '.join(worst)}{' …' if len(kept_by_search) > 5 else ''}): worst held-out sample "
-            f"{min(f['cosine_fp16'] for f in found):.6f} -> {r.metrics['search_cosine_worst_feed']:.6f} (target "
-            f"{target:.6g}, {r.metrics['search_samples']} samples of {held.source}, onnxruntime emulation of fp16)")
+            f"({', '.join(worst)}{' …' if len(kept_by_search) > 5 else ''}): {found[0]['search_statistic']} "
+            f"{min(f['bound_fp16'] for f in found):.6f} -> {after:.6f} (target {target:.6g}"
+            f"{'' if pooled else f', accuracy.metric={judge.name}'}, {r.metrics['search_samples']} held-out samples of "
+            f"{held.source}, disjoint from validation's; onnxruntime emulation of fp16)")
     cancelled = [c.get("cancellation") or {} for c in r.details.get("conversion", [])]
     if any(cancelled):
         worst = max(v for c in cancelled for v in c.values())
@@ -230,6 +244,22 @@ def _build_engines(ctx: BuildContext) -> StageResult:
     if ctx.cfg.precision.quantized and not prequantized(ctx):  # the entry is shared with the fp16/fp32 build
         r = StageResult(files=r.files, metrics=as_baseline(r.metrics), details=r.details, origin=r.origin)
     return r
+
+
+def fp16_searchable(ctx: BuildContext) -> bool:
+    """Whether this build may search the nodes to keep fp32 at fp16 (tasks/fp16search.py): fp16 from a float model,
+    calibration.search on, held-out samples for it."""
+    p, q = ctx.cfg.precision, prequantized(ctx)
+    return p.name == "fp16" and not q and bool(ctx.cfg.calibration.search) and ctx.data.search is not None
+
+
+def fp16_search_due(ctx: BuildContext) -> bool:
+    """The fp16 graph as converted was validated and missed the budget (a verdict, not a crash), and the search may
+    run and has not: the flow then runs build (with the search) and validate again. Judged by validate first so that a
+    build that meets the budget pays nothing for the search; the search itself judges only its held-out samples."""
+    r = ctx.results.get("validate")
+    return (not ctx.fp16_search and ctx.failed == "validate" and r is not None and r.details.get("passed") is False
+            and fp16_searchable(ctx))
 
 
 def calibrate(ctx: BuildContext) -> StageResult | None:
@@ -310,9 +340,11 @@ def metric_fingerprint(ctx: BuildContext) -> dict | None:
     return fingerprint(ctx.cfg.accuracy, ctx.inputs.search)
 
 
-def search_judge(ctx: BuildContext, segs: list[dict], samples: int):
-    """What the accuracy search judges with: the user's metric when the one TensorRT segment computes the model's own
-    outputs from its own inputs; else (a model split into segments) the cosine of each segment's outputs, said once."""
+def search_judge(ctx: BuildContext, segs: list[dict], samples: int | None, stage: str = "calibrate"):
+    """What the accuracy search (int8's in calibrate, fp16's in build) judges with: the user's metric when the one
+    TensorRT segment computes the model's own outputs from its own inputs; else (a model split into segments) the
+    cosine of each segment's outputs, said once. ``samples``: how many judge it (the margin grows below 8; None: the
+    margin as given)."""
     from tasks.models import graph_io
     from tasks.graph import load_onnx
     from tasks.search import search_target
@@ -326,7 +358,7 @@ def search_judge(ctx: BuildContext, segs: list[dict], samples: int):
     if len(segs) == 1 and sorted(o.name for o in outs) == sorted(model_outs) and \
             not ctx.results["partition"].details.get("hybrid"):
         return metric.judge(margin)
-    ctx.warn("calibrate", f"the model runs in {len(segs)} TensorRT segment(s) with parts in ONNX Runtime: the accuracy "
+    ctx.warn(stage, f"the model runs in {len(segs)} TensorRT segment(s) with parts in ONNX Runtime: the accuracy "
                           f"search judges each segment's own outputs by cosine (accuracy.min_cosine); "
                           f"accuracy.metric={metric.name} gates validate")
     from tasks.accuracy import Metric

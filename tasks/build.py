@@ -51,8 +51,8 @@ def onnx_at_precision(fp32_path: Path, precision: str, out_path: Path, keep_fp32
     """Precision is a property of the graph (strongly typed networks): "as_is" (a model that arrived quantized, as
     shipped), fp32 (a model that works in fp16 computed in fp32: its fp16 weights and casts upcast), fp16 converted
     (``keep_fp32``, ``cancel_fp32``, ``tiny_fp32``: values whose nodes stay fp32, tasks.precision.fp16_hazards_from_data).
-    ``search`` (fp16): {"feeds", "target", "samples_text", "budget"}: the nodes to keep fp32 until the held-out samples
-    meet the target (tasks.fp16search)."""
+    ``search`` (fp16): {"feeds", "target", "samples_text", "budget", "metric" (tasks/accuracy.SearchJudge, optional)}:
+    the nodes to keep fp32 until the held-out samples meet the target (tasks.fp16search)."""
     t0 = time.perf_counter()
     if precision == "as_is":
         shutil.copyfile(fp32_path, out_path)
@@ -90,7 +90,8 @@ def onnx_at_precision(fp32_path: Path, precision: str, out_path: Path, keep_fp32
         from .fp16search import fp16_within_budget
 
         r = fp16_within_budget(fp32_path, out_path, search["feeds"], search["target"], convert=convert,
-                               samples_text=search.get("samples_text", "held-out samples"), budget=search.get("budget"))
+                               metric=search.get("metric"), samples_text=search.get("samples_text", "held-out samples"),
+                               budget=search.get("budget"))
         r.metrics["convert_seconds"] = time.perf_counter() - t0
         return r
     model, stats = convert({})

@@ -5,20 +5,20 @@ fp16 graph is close to fp32 everywhere except at a few nodes (an autoregressive 
 fp16 and the sequence it feeds back diverges) would otherwise only be told to use fp32.
 
 Judged on the search's held-out samples (never the validation set), with the faithful fp16 emulation
-(tasks/emulate.py: every fp16 value rounded after each op, control-flow bodies included), in a few whole-model runs:
+(tasks/emulate.py: every fp16 value rounded after each op, control-flow bodies included), by ``accuracy.metric`` as the
+int8 search judges (tasks/calibrate.py): cosine by its pooled figure over the samples (validate's statistic) less one
+standard error (``tasks.metrics.pooled_estimate``), another metric (allclose, top1, the user's) by its worst sample
+against its own target (``tasks/accuracy.SearchJudge``), in a few whole-model runs:
 
-1. the fp16 graph as converted is scored on every held-out sample; when the worst meets the target, nothing is kept;
+1. the fp16 graph as converted is scored on every held-out sample; when it meets the target, nothing is kept;
 2. else each top-level node that computes in fp16 is ranked by the error it adds (``error_growth``): from ONE fp32
    pass and ONE pass of the fp16 graph, both exposing every value, on the worst held-out sample: the relative error of
    the node's outputs less the largest relative error of its inputs (a Loop is one node: its body with it);
 3. ``tasks.search.restore_search`` keeps nodes fp32, most error per FLOP first, by binary search on the prefix (log2 of
-   the node count of judged conversions, each stopping at the first sample below the target, hardest first), then
-   tries the large ones back;
-4. the graph with those nodes kept is scored on every held-out sample (``search_cosine_worst_feed``); still short, or
-   every node kept (that is an fp32 engine), the build fails naming that figure, the samples and the remedy.
-
-``SCORE`` is the one per-sample score (outputs, references) -> float that every judgement uses (issue 31's
-``accuracy.metric`` replaces it): the lowest cosine of any output.
+   the node count of judged conversions, each refused as soon as the samples run prove it cannot meet the target,
+   hardest first: ``tasks.sensitivity.meets_target``), then tries the large ones back;
+4. the graph with those nodes kept is scored on every held-out sample; still short, or every node kept (that is an
+   fp32 engine), the build fails naming that figure, the samples and the remedy.
 """
 from __future__ import annotations
 
@@ -37,14 +37,6 @@ Feed = dict[str, np.ndarray]
 STAGE = "build"
 REFINE = 4  # large nodes tried back to fp16 after the prefix search, at most (each one whole-model judgement)
 NOT_CANDIDATES = ("Cast", "Constant", "Identity", "Shape", "Size")  # nothing to compute in another precision
-
-
-def worst_output_cosine(outputs: dict[str, np.ndarray], refs: dict[str, np.ndarray]) -> float:
-    """One sample's score: the lowest cosine of any output to its reference (tasks.metrics.cosine)."""
-    return min((cosine(outputs[k], r) for k, r in refs.items()), default=1.0)
-
-
-SCORE: Callable[[dict, dict], float] = worst_output_cosine
 
 
 def fp16_candidates(model16: onnx.ModelProto) -> list[str]:
@@ -111,50 +103,77 @@ def error_growth(fp32: onnx.ModelProto, model16: onnx.ModelProto, names: list[st
 
 
 class Judge:
-    """Scores converted graphs on the held-out samples against the fp32 references, one emulated session each."""
+    """Scores converted graphs on the held-out samples against the fp32 references, one emulated session each, as the
+    int8 search judges (tasks/calibrate.py): ``metric`` (tasks/accuracy.SearchJudge) cosine, or None: the pooled cosine
+    less ``z`` standard errors (``tasks.metrics.pooled_estimate``, validate's statistic); another metric: its worst
+    feed (``SearchJudge.value``)."""
 
-    def __init__(self, feeds: list[Feed], refs: list[dict], score: Callable[[dict, dict], float] = SCORE):
-        self.feeds, self.refs, self.score = feeds, refs, score
+    def __init__(self, feeds: list[Feed], refs: list[dict], metric=None, z: float | None = None):
+        from .calibrate import JUDGE_Z
+        from .sensitivity import output_norms
+
+        self.feeds, self.refs = feeds, refs
+        self.value = None if metric is None or metric.name == "cosine" else metric.value
+        self.z = JUDGE_Z if z is None else z
         self.runs = 0  # whole-model runs (one sample each)
-        self._last: dict[int, float] = {}  # per sample: the lowest score seen (hardest first)
+        self._miss: dict[int, float] = {}  # per sample: how far it fell short before (hardest first)
+        self._norms = output_norms(refs)
+        self.per_feed: list[float] = []  # the last ``estimate``'s value per sample (cosine, or the metric's)
+
+    @property
+    def pooled(self) -> bool:
+        return self.value is None
 
     def _runner(self, model16: onnx.ModelProto):
         from .emulate import precision_runner
 
-        return precision_runner(model16, stage=STAGE)[0]
+        run = precision_runner(model16, stage=STAGE)[0]
 
-    def scores(self, model16: onnx.ModelProto) -> list[float]:
-        run = self._runner(model16)
-        out = []
-        for i, (f, r) in enumerate(zip(self.feeds, self.refs)):
-            s = self.score(run(f), r)
+        def counted(feed: Feed) -> dict:
             self.runs += 1
-            self._last[i] = min(self._last.get(i, 1.0), s)
-            out.append(s)
-        return out
+            return run(feed)
+        return counted
+
+    def estimate(self, model16: onnx.ModelProto):
+        """The graph on every sample: ``tasks.calibrate.Judged`` (the pooled cosine, its standard error and the bound
+        less ``z`` of them; another metric: its worst feed as all three) with the worst single sample's cosine."""
+        from .calibrate import Judged
+        from .metrics import pooled_estimate, pooled_sums, worst_feed_cosine
+
+        run = self._runner(model16)
+        outs = [run(f) for f in self.feeds]
+        worst = worst_feed_cosine(outs, self.refs)
+        self.per_feed = [min((cosine(o[k], r[k]) for k in r), default=1.0) if self.pooled else self.value(o, r, f)
+                         for o, r, f in zip(outs, self.refs, self.feeds)]
+        for i, v in enumerate(self.per_feed):  # the samples that came lowest run first in ``meets``
+            self._miss[i] = max(self._miss.get(i, 0.0), 1.0 - v)
+        if self.pooled:
+            return Judged(*pooled_estimate([pooled_sums(r, o) for o, r in zip(outs, self.refs)], self.z), worst=worst)
+        w = min((self.value(o, r, f) for o, r, f in zip(outs, self.refs, self.feeds)), default=1.0)
+        return Judged(w, 0.0, w, worst=worst)
 
     def meets(self, model16: onnx.ModelProto, target: float) -> bool:
-        """Every sample at or above ``target``; the samples that came lowest before run first, the first below ends it."""
-        run = self._runner(model16)
-        for i in sorted(range(len(self.feeds)), key=lambda i: self._last.get(i, 1.0)):
-            s = self.score(run(self.feeds[i]), self.refs[i])
-            self.runs += 1
-            self._last[i] = min(self._last.get(i, 1.0), s)
-            if s < target:
-                return False
-        return True
+        """Whether the graph meets ``target`` (``tasks.sensitivity.meets_target``: the samples that fell shortest before
+        run first; a candidate is refused as soon as those run prove it cannot)."""
+        from .sensitivity import meets_target
+
+        return meets_target(self._runner(model16), self.feeds, self.refs, target, self._miss, self._norms, self.z,
+                            self.value)[0]
 
 
 def fp16_within_budget(fp32_path: Path, out_path: Path, feeds: list[Feed], target: float, *,
                        convert: Callable[[dict[str, float]], tuple[onnx.ModelProto, dict]],
-                       score: Callable[[dict, dict], float] = SCORE, samples_text: str = "held-out samples",
-                       budget: float | None = None) -> StageResult:
-    """The fp16 graph of ``fp32_path`` that meets ``target`` (worst held-out sample, ``score``) with the fewest nodes
-    kept fp32 (see the module doc), written to ``out_path``. ``convert(keep_nodes)`` converts the fp32 model with
-    those nodes kept fp32 (and whatever the data decided). Metrics: ``search_cosine_worst_feed`` (the written graph),
-    ``search_cosine_fp16`` (the graph as converted), ``fallback_layers`` (nodes the search kept fp32),
-    ``search_samples``, ``search_runs``, ``search_seconds``; details: the kept nodes with what each costs, and the
-    ranking (``sensitivity``, as the int8 search reports it)."""
+                       metric=None, samples_text: str = "held-out samples", budget: float | None = None) -> StageResult:
+    """The fp16 graph of ``fp32_path`` that meets ``target`` on the held-out ``feeds`` with the fewest nodes kept fp32
+    (see the module doc), written to ``out_path``. ``convert(keep_nodes)`` converts the fp32 model with those nodes
+    kept fp32 (and whatever the data decided). ``metric`` (tasks/accuracy.SearchJudge; None: cosine) judges as the
+    int8 search does: cosine by its pooled figure less one standard error, another metric by its worst feed; ``target``
+    is on the metric's scale. Metrics, under the int8 search's names: cosine: ``search_cosine``, ``search_cosine_se``,
+    ``search_cosine_bound`` (the written graph) and ``search_cosine_fp16`` (the graph as converted, pooled); another
+    metric: ``search_metric``, ``search_score_worst_feed``, ``search_score_fp16``; both: ``search_cosine_worst_feed``
+    (the written graph's worst sample), ``fallback_layers`` (nodes the search kept fp32), ``search_samples``,
+    ``search_runs``, ``search_seconds``; details: the kept nodes with what each costs, and the ranking
+    (``sensitivity``, as the int8 search reports it)."""
     from .export import save_onnx
     from .flops import onnx_flops
     from .inputs import batch_size
@@ -167,20 +186,29 @@ def fp16_within_budget(fp32_path: Path, out_path: Path, feeds: list[Feed], targe
     try:
         ref_sess = ort_session(Path(fp32_path), stage=STAGE)
         refs = [ort_run(ref_sess, f, stage=STAGE) for f in feeds]
-        judge = Judge(feeds, refs, score)
-        first = judge.scores(model16)
+        judge = Judge(feeds, refs, metric)
+        first = judge.estimate(model16)
     except StageError as e:  # ONNX Runtime cannot run it here: no figure (validate says what it can), no search
         save_onnx(model16, out_path)
         return StageResult(files={"onnx": out_path}, metrics={}, details={
             **stats, "fp16_search_skipped": f"not measured: ONNX Runtime cannot run the graph here ({e.message[:300]})"})
-    worst = min(first)
+    pooled = judge.pooled
+    what = "cosine" if pooled else getattr(metric, "label", "score")
+    statistic = (f"pooled cosine less {judge.z:g} standard error (jackknife over the samples)" if pooled else
+                 f"{what}, worst sample")
+
+    def figure(j) -> str:
+        return f"{j.cosine:.6f}" + (f" (less {judge.z:g} standard error: {j.bound:.6f})" if j.se else "")
+
     details: dict = {"min_cosine": target, "search_feeds": len(feeds), "search_set": samples_text,
-                     "cosine_fp16": worst, "kept": {}, "sensitivity": []}
-    metrics = {"search_cosine_fp16": worst, "search_samples": sum(batch_size(f) for f in feeds)}
+                     "search_statistic": statistic, "metric": "cosine" if pooled else metric.name,
+                     "cosine_fp16": first.cosine, "bound_fp16": first.bound, "kept": {}, "sensitivity": []}
+    metrics = {"search_samples": sum(batch_size(f) for f in feeds)}
     chosen_kept: dict[str, float] = {}
-    if worst < target:
+    final = first
+    if first.bound < target:
         names = fp16_candidates(model16)
-        hardest = feeds[int(np.argmin(first))]
+        hardest = feeds[int(np.argmin(judge.per_feed))]
         growth = error_growth(fp32, model16, names, hardest)
         shapes = {k: list(v.shape) for k, v in hardest.items()}
         flops = onnx_flops(model16, shapes, names)
@@ -195,32 +223,35 @@ def fp16_within_budget(fp32_path: Path, out_path: Path, feeds: list[Feed], targe
         fp16_nodes, _ = restore_search(candidates, meets, growth, flops, refine=REFINE)
         chosen_kept = {n: growth.get(n, 0.0) for n in candidates if n not in set(fp16_nodes)}
         model16, stats = convert(chosen_kept)
-        worst = min(judge.scores(model16))
+        final = judge.estimate(model16)
         details["sensitivity"] = sorted(
             ({"node": n, "op": ops.get(n), "flops": flops.get(n), "error_growth": growth.get(n, 0.0),
               "quantized": n not in chosen_kept} for n in candidates), key=lambda r: -r["error_growth"])
         details["kept"] = chosen_kept
+        where = (f"{statistic} over {len(feeds)} {samples_text}, onnxruntime emulation of fp16")
+        aim = (f"the search's target {target:.6g}" + (
+            f" (accuracy.min_cosine={budget:g} plus calibration.budget_margin of the allowed error)"
+            if budget is not None and pooled else f" ({what})" if not pooled else ""))
         if not set(candidates) - set(chosen_kept):  # every node fp32: an fp32 engine, not an fp16 one
             raise AccuracyError(
-                f"fp16 misses the accuracy budget: the fp16 graph gives {details['cosine_fp16']:.6f} (worst of "
-                f"{len(feeds)} {samples_text}, onnxruntime emulation of fp16) against the search's target "
-                f"{target:.6g}" + (f" (accuracy.min_cosine={budget:g} plus calibration.budget_margin of the allowed "
-                                   "error)" if budget is not None else "") +
-                f", and no set of nodes kept in fp32 that the search tried meets it short of all {len(candidates)} "
-                f"(that is an fp32 engine; with all of them fp32: {worst:.6f})", stage=STAGE, file=str(fp32_path),
+                f"fp16 misses the accuracy budget: the fp16 graph gives {figure(first)} ({where}) against {aim}, and "
+                f"no set of nodes kept in fp32 that the search tried meets it short of all {len(candidates)} (that is "
+                f"an fp32 engine; with all of them fp32: {figure(final)})", stage=STAGE, file=str(fp32_path),
                 fix="build this model at precision=fp32, or lower accuracy.min_cosine")
-        if worst < target:
+        if final.bound < target:
             raise AccuracyError(
-                f"fp16 misses the accuracy budget: the fp16 graph gives {details['cosine_fp16']:.6f} (worst of "
-                f"{len(feeds)} {samples_text}, {getattr(score, '__name__', 'score')}, onnxruntime emulation of fp16), "
-                f"and keeping the {len(chosen_kept)} nodes that cost the most in fp32 gives {worst:.6f} against the "
-                f"search's target {target:.6g}" + (f" (accuracy.min_cosine={budget:g} plus calibration.budget_margin of "
-                                                   "the allowed error)" if budget is not None else "") +
-                f"; kept: {', '.join(sorted(chosen_kept, key=lambda n: -chosen_kept[n])[:6])}",
+                f"fp16 misses the accuracy budget: the fp16 graph gives {figure(first)} ({where}), and keeping the "
+                f"{len(chosen_kept)} nodes that cost the most in fp32 gives {figure(final)} against {aim}; kept: "
+                f"{', '.join(sorted(chosen_kept, key=lambda n: -chosen_kept[n])[:6])}",
                 stage=STAGE, file=str(fp32_path),
                 fix="build this model at precision=fp32, give calibration.data with real inputs (the search judged "
                     f"{samples_text}), or lower accuracy.min_cosine")
     save_onnx(model16, out_path)
-    metrics.update(search_cosine_worst_feed=worst, fallback_layers=len(chosen_kept), search_runs=judge.runs,
+    if pooled:
+        metrics.update(search_cosine_fp16=first.cosine, search_cosine=final.cosine, search_cosine_se=final.se,
+                       search_cosine_bound=final.bound)
+    else:
+        metrics.update(search_metric=metric.name, search_score_fp16=first.cosine, search_score_worst_feed=final.cosine)
+    metrics.update(search_cosine_worst_feed=final.worst, fallback_layers=len(chosen_kept), search_runs=judge.runs,
                    search_seconds=time.perf_counter() - t0)
     return StageResult(files={"onnx": out_path}, metrics=metrics, details={**stats, "fp16_search": details})

@@ -201,7 +201,8 @@ def sensitivity_report(segments: list[dict], d: Path) -> dict[str, Path]:
             for s in segments for r in s.get("sensitivity", [])]
     files = {"sensitivity": write_json(d / "sensitivity.json", {"layers": rows, "segments": [
         {k: s.get(k) for k in ("segment", "method", "range_choice", "precision", "quantized", "fallback", "min_cosine",
-                               "fp32_by_data_range", "fp32_by_cancellation", "search_set", "cosine_fp16")}
+                               "fp32_by_data_range", "fp32_by_cancellation", "search_set", "search_statistic",
+                               "cosine_fp16")}
         for s in segments]})}
     gain = [r for r in rows if r.get("restore_gain") is not None]
     local = [r for r in rows if r.get("local_error") is not None]
@@ -373,8 +374,9 @@ def _metric(acc: dict | None) -> str:
 def _quantization(s: dict, sens: dict | None, out_dir: Path) -> str:
     m = s.get("metrics", {})
     keys = [k for k in ("quantized_layers", "fallback_layers", "calibration_samples", "search_samples",
-                        "search_cosine_worst_feed", "search_cosine_all_quantized", "search_cosine_fp16", "search_metric",
-                        "search_score_worst_feed", "search_score_all_quantized") if k in m]
+                        "search_cosine", "search_cosine_bound", "search_cosine_worst_feed", "search_cosine_all_quantized",
+                        "search_cosine_fp16", "search_metric", "search_score_worst_feed", "search_score_all_quantized",
+                        "search_score_fp16") if k in m]
     if not keys and not (out_dir / "sensitivity.png").is_file():
         return ""
     head = "Quantization" if "quantized_layers" in m else "fp16 accuracy search (nodes kept in fp32)"

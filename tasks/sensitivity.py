@@ -12,6 +12,8 @@
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
@@ -68,7 +70,7 @@ class Switchable:
         # the worst feed; None: the pooled cosine less z standard errors
         self.judge = judge
         self.runs = 0  # whole-model runs (one feed each)
-        self._norms = {k: sum(float(np.vdot(r[k], r[k])) for r in refs) for k in (refs[0] if refs else {})}
+        self._norms = output_norms(refs)
         self._miss: dict[int, float] = {}  # per feed: the largest error share it showed (the hardest run first)
         self.last: tuple[float, float, float] | None = None  # (cosine, standard error, bound) of the last full judgement
 
@@ -104,38 +106,59 @@ class Switchable:
         orthogonal to the reference already exceeds what the whole set allows; another metric: the first feed below):
         most failing candidates are judged in a run or two."""
         on = set(names)
-        order = sorted(range(len(self.feeds)), key=lambda i: -self._miss.get(i, 0.0))
-        if self.judge is not None:
-            for i in order:
-                v = self.judge(self._run(on, self.feeds[i]), self.refs[i], self.feeds[i])
-                self._miss[i] = max(self._miss.get(i, 0.0), target - v)
-                if v < target:
-                    return False
-            return True
-        sums: list[dict] = []
-        part = {k: np.zeros(3) for k in self._norms}
-        allowed = 1.0 - target * target  # of sin^2 of the pooled angle
-        for i in order:
-            s = pooled_sums(self.refs[i], self._run(on, self.feeds[i]))
-            sums.append(s)
-            for k, v in s.items():
-                part[k] += v
-            miss = 0.0
-            for k, (dot, na2, nb2) in part.items():
-                # min over a scale c of |a - c b|^2 on the feeds so far: a lower bound of the whole set's
-                err = na2 - dot * dot / nb2 if nb2 > 0 else na2
-                miss = max(miss, err / self._norms[k] if self._norms[k] > 0 else 0.0)
-            mine = {k: (v[1] - v[0] * v[0] / v[2] if v[2] > 0 else v[1]) / (self._norms[k] or 1.0) for k, v in s.items()}
-            self._miss[i] = max(self._miss.get(i, 0.0), max(mine.values(), default=0.0))
-            if miss > allowed:
-                return False
-        self.last = pooled_estimate(sums, self.z)
-        return self.last[2] >= target
+        ok, last = meets_target(lambda f: self._run(on, f), self.feeds, self.refs, target, self._miss, self._norms,
+                                self.z, self.judge)
+        if last is not None:
+            self.last = last
+        return ok
 
     def _run(self, on: set, feed: dict) -> dict:
         flags = {f: np.array(n in on) for n, f in self.flags.items()}
         self.runs += 1
         return ort_run(self.session, {**feed, **flags}, stage=STAGE)
+
+
+def meets_target(run: Callable[[dict], dict], feeds: list[dict], refs: list[dict], target: float, miss: dict[int, float],
+                 norms: dict[str, float], z: float = 1.0, judge=None) -> tuple[bool, tuple[float, float, float] | None]:
+    """Whether a candidate (``run``: feed -> outputs) meets ``target`` on ``feeds``: the pooled cosine less ``z``
+    standard errors (``tasks.metrics.pooled_estimate``), or with ``judge`` (another metric's value per feed, higher is
+    better) every feed's value. The feeds that erred most before (``miss``, per feed, updated) run first, and the
+    candidate is refused as soon as the feeds run so far prove it cannot reach ``target`` even pooled alone (their
+    error orthogonal to the reference already exceeds what the whole set allows, ``norms``: each output's squared norm
+    over the whole set; another metric: the first feed below). Returns (meets, the pooled estimate when every feed
+    ran, else None). Shared by the int8 search (``Switchable``) and fp16's (tasks/fp16search.py)."""
+    order = sorted(range(len(feeds)), key=lambda i: -miss.get(i, 0.0))
+    if judge is not None:
+        for i in order:
+            v = judge(run(feeds[i]), refs[i], feeds[i])
+            miss[i] = max(miss.get(i, 0.0), target - v)
+            if v < target:
+                return False, None
+        return True, None
+    sums: list[dict] = []
+    part = {k: np.zeros(3) for k in norms}
+    allowed = 1.0 - target * target  # of sin^2 of the pooled angle
+    for i in order:
+        s = pooled_sums(refs[i], run(feeds[i]))
+        sums.append(s)
+        for k, v in s.items():
+            part[k] += v
+        worst = 0.0
+        for k, (dot, na2, nb2) in part.items():
+            # min over a scale c of |a - c b|^2 on the feeds so far: a lower bound of the whole set's
+            err = na2 - dot * dot / nb2 if nb2 > 0 else na2
+            worst = max(worst, err / norms[k] if norms[k] > 0 else 0.0)
+        mine = {k: (v[1] - v[0] * v[0] / v[2] if v[2] > 0 else v[1]) / (norms[k] or 1.0) for k, v in s.items()}
+        miss[i] = max(miss.get(i, 0.0), max(mine.values(), default=0.0))
+        if worst > allowed:
+            return False, None
+    last = pooled_estimate(sums, z)
+    return last[2] >= target, last
+
+
+def output_norms(refs: list[dict]) -> dict[str, float]:
+    """Each output's squared norm over a set of references (what ``meets_target`` measures errors against)."""
+    return {k: sum(float(np.vdot(r[k], r[k])) for r in refs) for k in (refs[0] if refs else {})}
 
 
 def probe_model(q, full: onnx.ModelProto, fp32: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str], dict[str, str]]:

@@ -151,6 +151,8 @@ def test_the_cli_says_what_accuracy_measured_and_where_cached_numbers_come_from(
 def test_fp16_for_sm_89_and_accuracy_budget_failure(prefect_harness, user_config_dir, tmp_path):
     ok = build(["model=tiny", "precision=fp16", "target=sm_89"], user_config_dir, tmp_path)
     assert ok["status"] == "ok" and 0.999 < ok["metrics"]["cosine_min"] < 1.0
+    # fp16 that meets the budget in validate pays nothing for the fp16 accuracy search (it runs only after a miss)
+    assert "search_runs" not in ok["metrics"] and "fp16_search" not in ok["stages"]["build"]
     # the validate gate itself (the fp16 search off: with it, a budget of 1.0 fails in the build, test_fp16search_flow)
     bad = build(["model=tiny", "precision=fp16", "target=sm_89", "accuracy.min_cosine=1.0", "calibration.search=false"],
                 user_config_dir, tmp_path)

@@ -36,6 +36,10 @@ def test_fp16_keeps_the_decoding_loop_fp32_within_the_budget(prefect_harness, de
     assert m["fallback_layers"] == 1 and m["search_samples"] == 3 and m["search_runs"] <= 20
     assert 0 < m["flops_share"]["fp32"] < 0.5 < m["flops_share"]["fp16"]  # the encoder stays fp16
     assert "decode_loop" in s["stages"]["build"]["note"] and "fp16 accuracy search" in s["stages"]["build"]["note"]
+    # the search ran because the graph as converted missed the budget in validate; the stages count both attempts
+    b, v = s["stages"]["build"], s["stages"]["validate"]
+    assert "missed the accuracy budget in validate" in b["fp16_search"] and v["first_attempt"]["status"] == "failed"
+    assert b["first_attempt"]["status"] == "ok" and b["seconds"] >= b["first_attempt"]["seconds"]
     search, val = s["data"]["search"], s["data"]["validation"]  # disjoint: 3 held out for the search, 9 validate
     assert search["samples"] == 3 and val["samples"] == 9 and "held out for the accuracy search" in search["source"]
     sens = json.loads((Path(s["out_dir"]) / "sensitivity.json").read_text())
@@ -51,3 +55,17 @@ def test_a_budget_fp16_cannot_meet_fails_in_the_build_with_the_searchs_figure(pr
     reason = s["stages"]["build"]["reason"]
     assert "fp16 misses the accuracy budget" in reason and "accuracy.min_cosine=1" in reason
     assert "3 held-out samples" in reason and "precision=fp32" in reason
+
+
+def test_the_fp16_search_judges_by_accuracy_metric(prefect_harness, decoder_conf, tmp_path):
+    """accuracy.metric=top1 reaches the fp16 search through the flow as it reaches int8's: judged on its worst held-out
+    sample against its own target, named in the metrics and the build's note, and validate gates on it."""
+    s = build(["model=decoder", "precision=fp16", f"calibration.data={decoder_conf / 'samples.npz'}",
+               "accuracy.metric=top1", "stages.benchmark=false"], decoder_conf, tmp_path)
+    assert s["status"] == "ok", s.get("error")
+    m = s["metrics"]
+    assert m["search_metric"] == "top1" and m["search_score_fp16"] < 0.9 and m["search_score_worst_feed"] == 1.0
+    assert "search_cosine_bound" not in m and 1 <= m["fallback_layers"] <= 2
+    note = s["stages"]["build"]["note"]
+    assert "decode_loop" in note and "accuracy.metric=top1" in note and "disjoint from validation's" in note
+    assert s["data"]["search"]["samples"] == 3 and s["data"]["validation"]["samples"] == 9

@@ -12,7 +12,8 @@ from onnx import numpy_helper as nh
 
 from tasks.emulate import fp16_rounded
 from tasks.errors import AccuracyError
-from tasks.fp16search import SCORE, error_growth, fp16_candidates, fp16_within_budget
+from tasks.fp16search import error_growth, fp16_candidates, fp16_within_budget
+from tasks.metrics import worst_feed_cosine
 from tasks.precision import fp16_from_onnx, fp16_hazards_from_data
 
 D, STEPS = 16, 12
@@ -111,7 +112,7 @@ def _cosine(model16, fp32, feeds):
     run = precision_runner(model16)[0]
     ref = _session(fp32)
     names = [o.name for o in fp32.graph.output]
-    return min(SCORE(run(f), dict(zip(names, ref.run(names, f)))) for f in feeds)
+    return worst_feed_cosine([run(f) for f in feeds], [dict(zip(names, ref.run(names, f))) for f in feeds])
 
 
 def test_fp16_search_keeps_the_decoding_loop_fp32(tmp_path):
@@ -129,7 +130,9 @@ def test_fp16_search_keeps_the_decoding_loop_fp32(tmp_path):
                            convert=lambda keep: fp16_from_onnx(m, keep_nodes=keep))
     kept = r.details["fp16_search"]["kept"]
     assert "decode_loop" in kept and r.metrics["fallback_layers"] == len(kept) <= 2
-    assert r.metrics["search_cosine_fp16"] < 0.9 <= 0.9925 <= r.metrics["search_cosine_worst_feed"]
+    assert r.metrics["search_cosine_fp16"] < 0.9 <= 0.9925 <= r.metrics["search_cosine_bound"]  # pooled less its SE
+    assert r.metrics["search_cosine_bound"] <= r.metrics["search_cosine"] and 0.99 <= r.metrics["search_cosine_worst_feed"]
+    assert r.details["fp16_search"]["search_statistic"].startswith("pooled cosine less 1 standard error")
     assert r.metrics["search_samples"] == 4 and r.metrics["search_runs"] <= 4 * 8  # a few whole-model runs
     out = onnx.load(str(r.files["onnx"]))
     assert r.details["accuracy"] == kept and r.details["fp32_reasons"].get("accuracy") == len(kept)
@@ -138,19 +141,54 @@ def test_fp16_search_keeps_the_decoding_loop_fp32(tmp_path):
 
 
 def test_fp16_search_that_cannot_meet_the_budget_says_so(tmp_path):
+    from tasks.accuracy import Metric, SearchJudge
+
     m = decoder()
     path = tmp_path / "decoder.onnx"
     onnx.save(m, str(path))
-
-    def never(outputs, refs):  # a score no graph meets: the search gives up with its figure and the remedy
-        return 0.5
-
+    # a metric no graph meets (the user's, judged by its worst sample): the search gives up with its figure and remedy
+    never = SearchJudge(Metric(name="mine:never"), "mine:never score", 0.9, lambda outputs, refs, feed: 0.5)
     with pytest.raises(AccuracyError) as e:
-        fp16_within_budget(path, tmp_path / "out.onnx", _feeds(3, 1), 0.9925, score=never,
+        fp16_within_budget(path, tmp_path / "out.onnx", _feeds(3, 1), 0.9, metric=never,
                            convert=lambda keep: fp16_from_onnx(m, keep_nodes=keep), samples_text="held-out samples")
     msg = e.value.render()
-    assert "0.500000" in msg and "worst of 3 held-out samples" in msg and "precision=fp32" in msg
+    assert "0.500000" in msg and "worst sample over 3 held-out samples" in msg and "precision=fp32" in msg
+    assert "mine:never score" in msg
     assert not (tmp_path / "out.onnx").exists()
+
+
+def test_fp16_search_judges_by_the_accuracy_metric(tmp_path):
+    """accuracy.metric reaches the fp16 search as it reaches int8's: top1 (the argmax of each decoding step's token
+    probabilities) judged on its worst sample finds the Loop; an allclose tolerance fp16 cannot hold anywhere fails
+    where cosine (met by the graph as converted) keeps nothing."""
+    from tasks.accuracy import Metric
+
+    m = decoder()
+    path = tmp_path / "decoder.onnx"
+    onnx.save(m, str(path))
+    held = _feeds(4, 1)
+
+    def convert(keep):
+        return fp16_from_onnx(m, keep_nodes=keep)
+
+    top1 = Metric(name="top1", min_agreement=0.99).judge(0.5)
+    r = fp16_within_budget(path, tmp_path / "top1.onnx", held, top1.target, convert=convert, metric=top1)
+    assert r.metrics["search_metric"] == "top1" and "search_cosine_bound" not in r.metrics
+    assert r.metrics["search_score_fp16"] < 0.9 < top1.target == 0.995 <= r.metrics["search_score_worst_feed"] == 1.0
+    assert "decode_loop" in r.details["fp16_search"]["kept"] and r.metrics["fallback_layers"] <= 2
+
+    enc = onnx.shape_inference.infer_shapes(m)  # the encoder alone: fp16 is near fp32 everywhere
+    enc = onnx.utils.Extractor(enc).extract_model(["x"], ["h0"])
+    enc_path = tmp_path / "encoder.onnx"
+    onnx.save(enc, str(enc_path))
+    r = fp16_within_budget(enc_path, tmp_path / "enc_cos.onnx", held, 0.995,
+                           convert=lambda keep: fp16_from_onnx(enc, keep_nodes=keep))
+    assert r.metrics["search_cosine_bound"] >= 0.995 and r.metrics["fallback_layers"] == 0 and r.metrics["search_runs"] == 4
+    tight = Metric(name="allclose", atol=1e-7, rtol=1e-6, min_within=1.0).judge(0.5)
+    with pytest.raises(AccuracyError) as e:
+        fp16_within_budget(enc_path, tmp_path / "enc_tight.onnx", held, tight.target,
+                           convert=lambda keep: fp16_from_onnx(enc, keep_nodes=keep), metric=tight)
+    assert "allclose share of elements within tolerance" in e.value.render()
 
 
 def scaled_down() -> onnx.ModelProto:
