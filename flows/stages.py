@@ -324,6 +324,11 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
     note = low_share_warning(q.details["segments"], p.name)
     if note:
         ctx.warn("calibrate", note)
+    unreached = [n for seg in q.details["segments"] for n in seg.get("unreached_by_data") or []]
+    if unreached:
+        ctx.warn("calibrate", f"{len(unreached)} layer{'s' if len(unreached) > 1 else ''} left unquantized: no "
+                              f"calibration sample reaches {'them' if len(unreached) > 1 else 'it'} (computed from "
+                              f"constants alone: {', '.join(unreached[:4])}{' …' if len(unreached) > 4 else ''})")
     return StageResult(files=files, metrics={**q.metrics, **e.metrics}, details=details)
 
 

@@ -118,7 +118,14 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
 
         t_cal = time.perf_counter()
         cache = work / f"calibration_{method}.json"
-        ranges, reused = ranges_from_feeds(prepared, feeds, method, work, on_sample)
+        # layers the calibration data never reaches (computed from constants alone: a segment without inputs, after a
+        # Loop that runs in ONNX Runtime) have no activation range to learn: left unquantized, said in the details
+        unreached, reachable = unreached_layers(onnx_model(prepared))
+        if reachable:
+            ranges, reused = ranges_from_feeds(prepared, feeds, method, work, on_sample)
+        else:  # nothing to calibrate (ONNX Runtime's calibrator collects nothing from a graph without inputs)
+            from onnxruntime.quantization.calibrate import CalibrationMethod, TensorsData
+            ranges, reused = TensorsData(CalibrationMethod.MinMax, {}), False
         save_ranges(ranges, cache)
         calibration_seconds = time.perf_counter() - t_cal
 
@@ -126,10 +133,12 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
         # the float remainder in fp16, except where the calibration data's values leave fp16's range or would cancel
         keep, cancel = fp16_hazards_from_data(onnx_model(prepared), feeds, data_max) if high_precision == "fp16" else ({}, {})
         q = Quantizer(prepared, ranges, precision, high_precision, keep, cancel)
+        q.layers = [n for n in q.layers if n not in unreached]
         layers = q.layers
         if not layers and not no_layers_ok:
-            raise StageError(f"the model has no {'/'.join(QUANT_OPS)} node to quantize", stage=STAGE,
-                             file=str(fp32_path), fix="keep this model at fp16/fp32")
+            raise StageError(f"the model has no {'/'.join(QUANT_OPS)} node to quantize" + (
+                f" that the calibration data reaches ({len(unreached)} compute from constants alone)" if unreached
+                else ""), stage=STAGE, file=str(fp32_path), fix="keep this model at fp16/fp32")
 
         def score_with(qz: Quantizer, names: list[str]) -> Judged | None:
             outs = qz.outputs(names, judge_feeds)
@@ -273,6 +282,8 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
                 "fp32_by_cancellation": cancel,
                 "sensitivity": sensitivity,
                 "fallback": fallback,
+                # layers no calibration sample reaches (computed from constants alone): left unquantized, not calibrated
+                "unreached_by_data": unreached,
                 "quantized": list(chosen),
             },
         )
@@ -363,6 +374,40 @@ def _check_arguments(method: str, precision: str, feeds: list, high_precision: s
                           fix=f"use one of {', '.join(HIGH_PRECISIONS)}")
     if min_cosine is not None and not 0.0 < float(min_cosine) <= 1.0:
         raise ConfigError(f"min_cosine={min_cosine} is outside (0, 1]", stage=STAGE, fix="use e.g. 0.99, or None")
+
+
+def unreached_layers(model) -> tuple[list[str], bool]:
+    """(the layers, Conv/ConvTranspose/MatMul/Gemm nodes and residual Adds, none of whose inputs depends on a graph
+    input, whether any layer is reached). The calibration data never reaches such a layer: its values come from
+    constants alone (a TensorRT segment without inputs, e.g. loop bookkeeping after a Loop that runs in ONNX Runtime),
+    so there is no activation range to learn (and ONNX Runtime's calibrator collects nothing from a graph without
+    inputs: "No data is collected"). A node with subgraphs (If, Loop, Scan) is reached when any input or any value its
+    bodies read from the outer graph is."""
+    from .qdq import residual_adds
+
+    g = model.graph
+    reached = {i.name for i in g.input} - {t.name for t in g.initializer}
+
+    def outer_reads(graph) -> set[str]:
+        out = set()
+        for n in graph.node:
+            out.update(x for x in n.input if x)
+            for a in n.attribute:
+                for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                    out |= outer_reads(sub)
+        return out
+
+    for n in g.node:  # topological order
+        reads = set(x for x in n.input if x)
+        for a in n.attribute:
+            for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                reads |= outer_reads(sub)
+        if reads & reached:
+            reached.update(o for o in n.output if o)
+    residual = residual_adds(g)
+    layers = [n for n in g.node if n.op_type in QUANT_OPS or n.name in residual]
+    unreached = [n.name for n in layers if not any(x in reached for x in n.input if x)]
+    return unreached, len(unreached) < len(layers)
 
 
 def onnx_model(path: Path):

@@ -387,6 +387,58 @@ def test_a_segment_without_layers_is_written_at_high_precision_only_when_asked(t
     assert not any(n.op_type == "QuantizeLinear" for n in q.graph.node)
 
 
+def test_layers_the_calibration_data_never_reaches_are_left_unquantized(tmp_path):
+    """SLANet-plus at int8 failed in calibrate with ONNX Runtime's "No data is collected": a TensorRT segment after the
+    decoding Loop (which runs in ONNX Runtime) computes loop bookkeeping from constants alone, has no input, and the
+    calibrator stops at its empty feed. A segment without inputs is not calibrated (its layers, computed from
+    constants, are left unquantized and listed); in a segment with inputs, a layer that reads constants alone is left
+    unquantized too, the others calibrate as usual."""
+    from onnx import helper as h
+
+    from tasks.calibrate import qdq_for_segments
+
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "w")
+    c = numpy_helper.from_array(rng.standard_normal((1, 8)).astype(np.float32), "c")
+    step = numpy_helper.from_array(np.array([1.0], np.float32), "step")
+    # segment 0: x @ w plus a MatMul of constants only (relu(c) @ w); segment 1: no input at all (a loop counter test
+    # and a MatMul of constants, as paddle2onnx's bookkeeping after a while loop)
+    seg0 = h.make_graph([h.make_node("MatMul", ["x", "w"], ["a"], name="mm_x"),
+                         h.make_node("Relu", ["c"], ["rc"], name="relu_c"),
+                         h.make_node("MatMul", ["rc", "w"], ["b"], name="mm_const"),
+                         h.make_node("Add", ["a", "b"], ["y"], name="add")], "seg0",
+                        [h.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])],
+                        [h.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])], [w, c])
+    seg1 = h.make_graph([h.make_node("Relu", ["c"], ["rc"], name="relu_c"),
+                         h.make_node("MatMul", ["rc", "w"], ["b"], name="mm_const"),
+                         h.make_node("ReduceSum", ["b"], ["s"], keepdims=0, name="sum"),
+                         h.make_node("Add", ["s", "step"], ["s1"], name="count"),
+                         h.make_node("Less", ["s", "s1"], ["go"], name="less")], "seg1", [],
+                        [h.make_tensor_value_info("go", TensorProto.BOOL, [1]),
+                         h.make_tensor_value_info("s1", TensorProto.FLOAT, [1])], [w, c, step])
+    segs = []
+    for i, g in enumerate((seg0, seg1)):
+        m = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+        m.ir_version = 8
+        onnx.save(m, str(tmp_path / f"seg{i}.onnx"))
+        segs.append({"index": i, "onnx": tmp_path / f"seg{i}.onnx"})
+    feeds = [{"x": rng.standard_normal((4, 8)).astype(np.float32)} for _ in range(4)]
+    r = qdq_for_segments(segs, lambda i: feeds if i == 0 else [{} for _ in feeds],
+                         lambda i: feeds[:2] if i == 0 else [{}, {}], tmp_path / "out", method=None, precision="int8",
+                         min_cosine=0.99)
+    s0, s1 = r.details["segments"]
+    assert s0["unreached_by_data"] == ["mm_const"] and s1["unreached_by_data"] == ["mm_const"]
+    assert r.metrics["quantized_layers"] == 1  # mm_x only
+    q0, q1 = (onnx.load(str(r.files[f"qdq{i}"])) for i in (0, 1))
+    mm = {n.name: n for n in q0.graph.node if n.op_type == "MatMul"}
+    producer = {o: n.op_type for n in q0.graph.node for o in n.output}
+    assert producer.get(mm["mm_x"].input[0]) == "DequantizeLinear"  # calibrated and quantized
+    assert producer.get(mm["mm_const"].input[0]) != "DequantizeLinear"
+    assert not any(n.op_type == "QuantizeLinear" for n in q1.graph.node)
+    sess = ort_session(r.files["qdq1"])
+    assert sess.run(None, {})[0].tolist() == [True]  # the segment still runs (and computes what it did)
+
+
 def test_a_search_that_keeps_most_flops_high_says_int8_will_not_pay():
     from tasks.calibrate import low_share_warning
 
