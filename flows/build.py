@@ -78,21 +78,26 @@ def build_flow(ctx: BuildContext, run_name: str) -> dict:
 def search_and_revalidate(ctx: BuildContext) -> None:
     """fp16 that missed the budget in validate: build again with the fp16 accuracy search (held-out samples only), then
     validate the searched graph. Each stage's entry keeps the first attempt's seconds in its total and says so."""
-    first = {n: dict(ctx.stages.pop(n, {})) for n in ("build", "validate")}
+    first = {n: ctx.stages.get(n, {}) for n in ("build", "validate")}
+    for n in first:
+        ctx.stages[n] = {}  # the entry starts afresh, in its place
     ctx.fp16_search, ctx.failed, ctx.error = True, None, None
-    why = (f"the fp16 graph as converted missed the accuracy budget in validate "
-           f"({first['validate'].get('seconds', 0):.1f} s); the fp16 accuracy search ran")
     for n in ("build", "validate"):
+        attempt = {k: first[n][k] for k in ("status", "seconds", "reason") if first[n].get(k) is not None}
         if ctx.failed:
             ctx.stages[n] = {"status": "skipped", "seconds": 0.0, "reason": f"the {ctx.failed} stage failed",
-                             "first_attempt": {k: first[n].get(k) for k in ("status", "seconds", "reason")}}
+                             "first_attempt": attempt}
             continue
         stage(n, ctx)
         e = ctx.stages[n]
-        e["first_attempt"] = {k: first[n].get(k) for k in ("status", "seconds", "reason") if first[n].get(k) is not None}
+        e["first_attempt"] = attempt
         e["seconds"] = round(e.get("seconds", 0.0) + (first[n].get("seconds") or 0.0), 3)
         if n == "build":
-            e["fp16_search"] = why
+            m = ctx.results["build"].metrics if e.get("status") != "failed" else {}
+            e["fp16_search"] = (
+                "the fp16 graph as converted missed the accuracy budget in validate; the fp16 accuracy search ran" + (
+                    f" and kept nothing: its {m.get('search_samples')} held-out samples meet its target with the graph "
+                    "as converted" if m.get("fallback_layers") == 0 else ""))
 
 
 def publish(ctx: BuildContext) -> dict:

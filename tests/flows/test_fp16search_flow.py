@@ -40,6 +40,7 @@ def test_fp16_keeps_the_decoding_loop_fp32_within_the_budget(prefect_harness, de
     b, v = s["stages"]["build"], s["stages"]["validate"]
     assert "missed the accuracy budget in validate" in b["fp16_search"] and v["first_attempt"]["status"] == "failed"
     assert b["first_attempt"]["status"] == "ok" and b["seconds"] >= b["first_attempt"]["seconds"]
+    assert list(s["stages"]) == ["export", "partition", "build", "calibrate", "validate", "benchmark"]
     search, val = s["data"]["search"], s["data"]["validation"]  # disjoint: 3 held out for the search, 9 validate
     assert search["samples"] == 3 and val["samples"] == 9 and "held out for the accuracy search" in search["source"]
     sens = json.loads((Path(s["out_dir"]) / "sensitivity.json").read_text())
