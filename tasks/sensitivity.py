@@ -41,7 +41,7 @@ class Switchable:
     ``refs`` with one session."""
 
     def __init__(self, q, feeds: list[dict], refs: list[dict], z: float = 1.0, judge=None):
-        full = q.qdq(q.layers)  # fp32 remainder; every layer quantized
+        full = q.qdq(q.layers)  # every layer quantized (fp32; the fp16 remainder is made below)
         m = onnx.ModelProto()
         m.CopyFrom(full)
         g = m.graph
