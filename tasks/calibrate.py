@@ -40,7 +40,6 @@ STAGE = "calibrate"
 HIGH_PRECISIONS = ("fp16", "fp32")
 MIN_OPSET = 19  # float16 Q/DQ scales (the fp16 remainder) and float8 need opset 19
 RANK_FEEDS = 8  # calibration samples the local errors (range choice, report) are measured on
-FP16_RETRIES = 2  # searches again with a higher goal when the written graph (fp16 remainder) misses the target
 HARM_FEEDS = 1  # calibration samples each layer's restore gain (the search's ranking) is measured on
 JUDGE_Z = 1.0  # standard errors of the pooled cosine a candidate's figure is lowered by before it meets the target
 
@@ -185,7 +184,7 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
                     # layout_cdla all-int8 0.818 with entropy, 0.646 with the locally chosen ranges)
                     q, scorer, all_bound, range_choice = q_local, s_local, c_local, picked
                     save_ranges(q.ranges, cache)
-            cos_all = Judged(*scorer.last, worst=None)  # the fp32 remainder: as the search compares them
+            cos_all = Judged(*scorer.last, worst=None)  # every layer quantized, as the search compares them
             if all_bound >= min_cosine:  # the ranges chosen suffice: every layer int8
                 chosen, harm = list(layers), {n: min(e.values()) for n, e in local.items()}
                 sensitivity = [{"node": n, "op": q.ops.get(n), "flops": flops.get(n)} for n in layers]
@@ -199,18 +198,10 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
                 sensitivity = [{"node": n, "op": q.ops.get(n), "flops": flops.get(n), "restore_gain": harm[n]}
                                for n in layers]
             timing["search"] = time.perf_counter() - clock - sum(timing.values())
-            cos_chosen = score(chosen) if chosen else cos_none  # the graph that is written (its remainder fp16)
-            for _ in range(FP16_RETRIES):  # the fp16 remainder on top of the int8 error: search again, aiming higher
-                if not chosen or cos_chosen.bound >= min_cosine:
-                    break
-                gap = scorer.estimate(chosen)[2] - cos_chosen.bound  # what the fp16 remainder costs this choice
-                goal = min(1.0, max(goal, float(min_cosine) + 1.5 * max(gap, 0.0)) + (min_cosine - cos_chosen.bound))
-                again, _ = restore_search(layers, lambda names: scorer.meets(names, goal), harm, flops)
-                if not again:  # the higher goal leaves nothing quantized: give back from this choice instead
-                    break
-                chosen, cos_chosen = again, score(again)
-            # still short: give back the most harmful chosen layers, 1, 2, 4, ... of them (each judged on the written
-            # graph), until the written graph meets the target or nothing is quantized
+            cos_chosen = score(chosen) if chosen else cos_none  # the graph that is written, on its own session
+            # the scorer judges the written graph itself (its remainder too); should the two still differ (an fp32 keep
+            # the converter decides otherwise in the switchable graph), give back the most harmful chosen layers,
+            # 1, 2, 4, ... of them, until the written graph meets the target or nothing is quantized
             give_back, k = sorted(chosen, key=lambda n: -(harm.get(n) or 0.0)), 1
             while chosen and cos_chosen.bound < min_cosine:
                 chosen = [n for n in chosen if n not in set(give_back[:k])]

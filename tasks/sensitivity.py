@@ -3,8 +3,8 @@
 * ``Switchable``: ONE ONNX Runtime session of the all-layers Q/DQ graph in which every layer reads its quantized or
   its float inputs through a ``Where`` on a boolean graph input of its own. Any subset of layers is scored by feeding
   flags: no graph is rebuilt and no session made per candidate (those cost more than the run itself: ~0.3 s of the
-  ~0.45 s per candidate on PP-OCRv4 det). The float remainder is fp32 here; the graph that is written (its remainder
-  in fp16) is scored once at the end.
+  ~0.45 s per candidate on PP-OCRv4 det). The float remainder is what is written: fp16 (converted and emulated as
+  validate does) or fp32.
 * ``local_errors``: each layer's own output error when only its inputs and weights are quantized, from the fp32
   activations of one pass (ONE probe graph computes every layer's quantized output from the fp32 inputs). Cheap and
   per range method, so the activation range of each tensor is chosen by the error it causes where it is consumed
@@ -39,10 +39,11 @@ def _float_dq_inputs(q, full: onnx.ModelProto) -> dict[str, dict[int, str]]:
 
 
 class Switchable:
-    """Scores any subset of ``q.layers`` quantized (the rest fp32) on ``feeds`` against ``refs`` with one session."""
+    """Scores any subset of ``q.layers`` quantized (the rest at ``q.high_precision``, as written) on ``feeds`` against
+    ``refs`` with one session."""
 
     def __init__(self, q, feeds: list[dict], refs: list[dict], z: float = 1.0, judge=None):
-        full = q.qdq(q.layers)  # fp32 remainder; every layer quantized
+        full = q.qdq(q.layers)  # every layer quantized (fp32; the fp16 remainder is made below)
         m = onnx.ModelProto()
         m.CopyFrom(full)
         g = m.graph
@@ -64,6 +65,9 @@ class Switchable:
         del g.node[:]
         g.node.extend(nodes)
         g.input.extend(helper.make_tensor_value_info(f, TensorProto.BOOL, []) for f in self.flags.values())
+        self.high_precision = q.high_precision
+        if q.high_precision == "fp16":  # the remainder as written (tasks/qdq.Quantizer.model) and emulated
+            m = _fp16_emulated(m, q)
         self.session = ort_session(m.SerializeToString(), stage=STAGE)
         self.feeds, self.refs, self.z = feeds, refs, z
         # another accuracy metric's value of one feed, higher is better (tasks/accuracy.SearchJudge.value): judged on
@@ -159,6 +163,19 @@ def meets_target(run: Callable[[dict], dict], feeds: list[dict], refs: list[dict
 def output_norms(refs: list[dict]) -> dict[str, float]:
     """Each output's squared norm over a set of references (what ``meets_target`` measures errors against)."""
     return {k: sum(float(np.vdot(r[k], r[k])) for r in refs) for k in (refs[0] if refs else {})}
+
+
+def _fp16_emulated(m: onnx.ModelProto, q) -> onnx.ModelProto:
+    """The switchable graph with its float remainder in fp16 as ``q.model`` writes it (the same converter, the same
+    fp32 keeps), rounded as validate emulates it (tasks/emulate.fp16_rounded): a quantized layer's flag off reads the
+    fp16 tensor and fp16 weights, as the written graph's unquantized layer does. The search then judges the graph that
+    ships, not its fp32-remainder sibling: on PP-OCRv4 det's flat text pages the two differ by up to 0.012 per page
+    (int8 rounding of a flat background lands on either side of a step, so a tiny change of its value flips the page)."""
+    from .emulate import fp16_rounded
+    from .precision import fp16_from_onnx
+
+    m, _ = fp16_from_onnx(m, q.keep_fp32, q.cancel_fp32)
+    return fp16_rounded(m) or m  # control flow: ONNX Runtime's own fp16 execution, as precision_runner runs it
 
 
 def probe_model(q, full: onnx.ModelProto, fp32: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str], dict[str, str]]:

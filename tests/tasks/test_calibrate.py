@@ -487,3 +487,28 @@ def test_a_candidate_refused_early_is_one_the_whole_set_refuses(tiny, tmp_path):
             assert s.meets(list(names), target) == (bound >= target), (names, target, bound)
     runs = s.runs
     assert not s.meets(q.layers, 1.0 - 1e-9) and s.runs - runs < len(feeds)
+
+
+def test_the_search_scores_the_graph_that_is_written_fp16_remainder_included(tiny, tmp_path):
+    """With an fp16 remainder the switchable session judges exactly what ``Quantizer.model`` writes and validate
+    emulates (fp16 converted, rounded after every op), not its fp32-remainder sibling: on flat text pages the two
+    differed by up to 0.012 per page (PP-OCRv4 det), and a search judged on the sibling wrote graphs that missed."""
+    from tasks.emulate import precision_runner
+    from tasks.metrics import cosine
+    from tasks.ort import ort_runner
+    from tasks.sensitivity import Switchable
+
+    path, feeds, d = tiny
+    ranges, _ = ranges_from_feeds(path, feeds, "minmax", tmp_path)
+    run = ort_runner(path)
+    refs = [run(f) for f in feeds]
+    scored = {}
+    for high in ("fp16", "fp32"):
+        q = Quantizer(path, ranges, "int8", high)
+        s = Switchable(q, feeds, refs)
+        for names in (["conv1"], ["conv2"], q.layers):
+            written = precision_runner(q.model(names))[0]
+            want = [min(cosine(written(f)[k], r[k]) for k in r) for f, r in zip(feeds, refs)]
+            assert s.cosines(names) == pytest.approx(want, abs=1e-7), (high, names)
+        scored[high] = s.cosines(q.layers)
+    assert max(abs(a - b) for a, b in zip(scored["fp16"], scored["fp32"])) > 1e-7  # the two remainders differ
