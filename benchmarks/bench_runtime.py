@@ -31,7 +31,7 @@ def raw_timing(engine_bytes: bytes, backend, feed: dict[str, np.ndarray], iterat
 
     cuda, trt = Cuda("benchmark"), backend.trt
     cuda("cudaFree", 0)
-    runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+    runtime = backend.runtime()  # the backend's logger (prints nothing)
     engine = runtime.deserialize_cuda_engine(engine_bytes)
     context = engine.create_execution_context()
     stream = cuda("cudaStreamCreateWithFlags", cuda.rt.cudaStreamNonBlocking)

@@ -82,17 +82,31 @@ def no_gpu_reason(compute_capability: str) -> str:
     return f"this host's GPUs ({have}) cannot run an engine built for compute capability {compute_capability}"
 
 
-def collecting_logger(trt):
-    """A TensorRT logger that collects warnings and errors for error reports (a subclass of the loaded module's
-    ILogger, made when TensorRT is imported)."""
+def collecting_logger(trt, gpu_less: bool | None = None):
+    """The project's one TensorRT logger (every builder, parser and runtime gets one: Backend.logger): it prints
+    nothing (TensorRT's own Logger writes every message to stderr) and keeps warnings and errors for error reports, each
+    message once (the parser reports one failure at every level it passes). On a host without a GPU (``gpu_less``,
+    default: nvidia-smi finds none) the CUDA runtime's lines about the missing driver ("cudaError 35: CUDA driver version
+    is insufficient", checkMacros.cpp::catchCudaError) are dropped as they arrive: parsing and building never need the
+    GPU, so they say nothing there; on a GPU host they are kept (a driver too old for the engine is a real fault). A
+    subclass of the loaded module's ILogger, made when TensorRT is imported."""
+    drop = (not host_gpus()) if gpu_less is None else gpu_less
+
     class Logger(trt.ILogger):
         def __init__(self):
             trt.ILogger.__init__(self)
             self.messages: list[tuple[str, str]] = []
+            self.dropped = 0  # the GPU-less driver lines left out
 
         def log(self, severity, msg):
-            if severity <= trt.ILogger.Severity.WARNING:
-                self.messages.append((str(severity).rsplit(".", 1)[-1], msg))
+            if severity > trt.ILogger.Severity.WARNING:
+                return
+            if drop and NOISE.search(msg):
+                self.dropped += 1
+                return
+            entry = (str(severity).rsplit(".", 1)[-1], msg)
+            if entry not in self.messages:
+                self.messages.append(entry)
 
         def errors(self) -> list[str]:
             """Error messages without GPU-less driver noise (cudaError 35 on a host without a driver), each once."""
@@ -150,10 +164,21 @@ class Backend:
                                    fix=f"it targets {', '.join(valid)}; use Enterprise TensorRT for others")
         return cc
 
-    def parser(self, logger) -> tuple[Any, Any, Any]:
-        """(builder, network, ONNX parser): the network strongly typed, as every build here is (TensorRT-RTX networks
-        always are; Enterprise TensorRT 10 needs the flag). Keep the builder and parser alive while using the network."""
+    def logger(self):
+        """A new TensorRT logger for one builder, parser or runtime (collecting_logger: prints nothing, keeps the
+        warnings and errors, without GPU-less driver noise)."""
+        return collecting_logger(self.trt)
+
+    def runtime(self, logger=None):
+        """A TensorRT runtime with the project's logger (``logger``, default a new one)."""
+        return self.trt.Runtime(logger if logger is not None else self.logger())
+
+    def parser(self, logger=None) -> tuple[Any, Any, Any]:
+        """(builder, network, ONNX parser) with the project's logger (``logger``, default a new one): the network
+        strongly typed, as every build here is (TensorRT-RTX networks always are; Enterprise TensorRT 10 needs the
+        flag). Keep the builder and parser alive while using the network."""
         trt = self.trt
+        logger = logger if logger is not None else self.logger()
         builder = trt.Builder(logger)
         flags = 0
         if self.name == "tensorrt" and hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED"):
@@ -162,7 +187,7 @@ class Backend:
         return builder, network, trt.OnnxParser(network, logger)
 
     def support_report(self, model_bytes: bytes, model_path: str) -> SupportReport:
-        builder, network, parser = self.parser(collecting_logger(self.trt))  # noqa: F841 - alive while the parser works
+        builder, network, parser = self.parser()  # noqa: F841 - alive while the parser works
         report = SupportReport()
         report.fully_supported = bool(parser.supports_model_v2(model_bytes, model_path))
         for i in range(parser.num_subgraphs):
@@ -176,7 +201,7 @@ class Backend:
 
     def parse_errors(self, model_bytes: bytes, model_path: str = "") -> list[dict]:
         """A full parse (what the builder will see); [] when it parses, else the parser's errors."""
-        logger = collecting_logger(self.trt)
+        logger = self.logger()
         builder, network, parser = self.parser(logger)  # noqa: F841 - alive while the parser works
         if parser.parse(model_bytes, model_path):
             return []
@@ -189,7 +214,7 @@ class Backend:
                      progress: Any = None, stage: str = "build") -> bytes:
         """Parse an ONNX file (strongly typed) and build a serialized engine with all profiles."""
         trt = self.trt
-        logger = collecting_logger(trt)
+        logger = self.logger()
         builder, network, parser = self.parser(logger)
         if not parser.parse_from_file(model_path):
             errs = [parser.get_error(i) for i in range(parser.num_errors)]
@@ -227,8 +252,7 @@ class Backend:
         return bytes(serialized)
 
     def engine_validity(self, engine: bytes) -> str:
-        trt = self.trt
-        runtime = trt.Runtime(collecting_logger(trt))
+        runtime = self.runtime()
         if not hasattr(runtime, "get_engine_validity"):
             return "unknown"
         validity, _ = runtime.get_engine_validity(engine)

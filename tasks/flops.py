@@ -107,11 +107,11 @@ def _network(path: Path, profile: dict, backend):
             for d, v in zip(dims, profile[inp.name]["opt"]):
                 d.Clear()
                 d.dim_value = int(v)
-    from .backend import collecting_logger, unique
+    from .backend import unique
 
-    # TensorRT's own Logger prints every message straight to stderr (its "cudaError 35" lines on a host without a
-    # driver, and each parse error once per level it passes): collected instead, the causes kept once each
-    logger = collecting_logger(trt)
+    # the backend's logger: nothing printed (TensorRT's own Logger writes its "cudaError 35" lines on a host without a
+    # driver, and each parse error once per level it passes, to stderr), the causes kept once each
+    logger = backend.logger()
     builder, network, parser = backend.parser(logger)
     if not parser.parse(model.SerializeToString(), str(path)):
         errs = "; ".join(unique(cause(parser.get_error(i).desc()) for i in range(parser.num_errors))

@@ -31,7 +31,6 @@ from typing import Any
 
 import numpy as np
 
-from .backend import collecting_logger
 from .benchmark import latency_stats
 from .errors import StageError
 from .inputs import batch_size
@@ -270,8 +269,8 @@ class EngineRunner:
         self.cuda("cudaSetDevice", self.device)  # this thread's current device: the context, stream, buffers live there
         self.cuda("cudaFree", 0)  # creates the CUDA context (the runtime cache checks against it)
         trt = self.trt = backend.trt
-        self.logger = collecting_logger(trt)
-        self.runtime = trt.Runtime(self.logger)
+        self.logger = backend.logger()
+        self.runtime = backend.runtime(self.logger)
         self.engine = self.runtime.deserialize_cuda_engine(engine_bytes)
         if self.engine is None:
             raise StageError(f"TensorRT could not deserialize the engine on this GPU: {self._log()}", stage=stage)

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from tasks.backend import Backend, backend_for_target, gpu_for, no_gpu_reason
+from tasks.backend import Backend, backend_for_target, gpu_for, host_gpus, no_gpu_reason
 from tasks.build import engine_from_onnx
 from tasks.errors import StageError, UnavailableError
 from tests.conftest import TINY_PROFILE
@@ -29,6 +29,25 @@ def test_builds_a_real_engine_for_sm86_on_this_host(tiny_engine, rtx):
     assert not any("cudaError" in line for line in tiny_engine.details["native_log"])
     if not gpu_for("8.6"):
         assert rtx.engine_validity(data) == "INVALID"  # what TensorRT-RTX answers without a GPU
+
+
+@pytest.mark.skipif(bool(host_gpus()), reason="the driver lines are dropped on a host without a GPU only")
+def test_the_backend_logger_drops_the_gpu_less_driver_lines_that_tensorrts_own_logger_prints(tiny_engine, rtx, capfd):
+    """Loading an engine makes TensorRT-RTX log 'cudaError 35: CUDA driver version is insufficient' on this host:
+    its own Logger prints that; the backend's logger (every builder, parser and runtime here) prints nothing
+    and keeps no such line, while keeping the real error once."""
+    data = tiny_engine.files["engine"].read_bytes()
+    trt = rtx.trt
+    assert trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine(data) is None
+    own = capfd.readouterr()
+    assert "cudaError 35" in own.out + own.err  # what the noise is, printed by TensorRT's own logger
+    logger = rtx.logger()
+    assert rtx.runtime(logger).deserialize_cuda_engine(data) is None
+    assert rtx.runtime(logger).deserialize_cuda_engine(data) is None  # the same messages again: kept once
+    seen = capfd.readouterr()
+    assert seen.out + seen.err == ""
+    assert logger.dropped >= 2 and not any("cudaError" in m for _, m in logger.messages)
+    assert len(logger.messages) == len(set(logger.messages))
 
 
 @pytest.mark.parametrize("cc", ["7.5", "8.9", "12.0"])

@@ -12,6 +12,7 @@ from onnx import TensorProto as TP
 from onnx import helper as oh
 from onnx import numpy_helper as nh
 
+from tasks.backend import Backend
 from tasks.precision import fp16_from_onnx
 
 ort = pytest.importorskip("onnxruntime")
@@ -89,10 +90,7 @@ from tasks.metrics import cosine as _cosine  # noqa: E402
 
 def _trt_engine_bytes(model, profile):
     trt = pytest.importorskip("tensorrt_rtx_bindings")
-    logger = trt.Logger(trt.Logger.ERROR)
-    builder = trt.Builder(logger)
-    net = builder.create_network(0)  # strongly typed by default
-    parser = trt.OnnxParser(net, logger)
+    builder, net, parser = Backend("tensorrt_rtx").parser()  # the backend's logger (strongly typed by default)
     ok = parser.parse(model.SerializeToString())
     assert ok, [str(parser.get_error(i)) for i in range(parser.num_errors)]
     cfg = builder.create_builder_config()
@@ -333,10 +331,7 @@ def _ort_io(model, feeds):
 def _trt_build(model, profiles=None):
     """TensorRT-RTX parse (errors asserted) and, given {input: (min, opt, max)}, build."""
     trt = pytest.importorskip("tensorrt_rtx_bindings")
-    logger = trt.Logger(trt.Logger.ERROR)
-    builder = trt.Builder(logger)
-    net = builder.create_network(0)
-    parser = trt.OnnxParser(net, logger)
+    builder, net, parser = Backend("tensorrt_rtx").parser()  # the backend's logger
     ok = parser.parse(model.SerializeToString())
     assert ok, [str(parser.get_error(i)) for i in range(parser.num_errors)]
     if profiles is None:

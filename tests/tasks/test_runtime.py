@@ -170,13 +170,8 @@ NZ_PROFILES = [{"x": {"min": [1, 16], "opt": [2, 16], "max": [4, 16]}}]
 
 
 def parse(backend, onnx_path: Path):
-    trt = backend.trt
-    from tasks.backend import collecting_logger
-
-    logger = collecting_logger(trt)
-    builder = trt.Builder(logger)
-    network = builder.create_network(0)
-    parser = trt.OnnxParser(network, logger)
+    logger = backend.logger()  # the backend's one logger, as the stages use it
+    builder, network, parser = backend.parser(logger)
     assert parser.parse_from_file(str(onnx_path)), [parser.get_error(i).desc() for i in range(parser.num_errors)]
     io = [network.get_input(i) for i in range(network.num_inputs)] + [network.get_output(i) for i in range(network.num_outputs)]
     return logger, builder, network, parser, {t.name: (t.is_shape_tensor, tuple(t.shape)) for t in io}
