@@ -59,6 +59,20 @@ class Judged:
     def less_se(self) -> str:
         return f" (less {JUDGE_Z:g} standard error: {self.bound:.6f})" if self.se else ""
 
+    @classmethod
+    def of(cls, outs: list[dict], refs: list[dict], feeds: list[Feed], metric=None, z: float = JUDGE_Z,
+           held: int | None = None) -> "Judged":
+        """The figure of ``outs`` (one output dict per feed) against ``refs``, as both searches judge: with ``metric``
+        (tasks/accuracy.SearchJudge, not cosine) its worst feed as all three; else the pooled cosine less ``z``
+        standard errors (``tasks.metrics.pooled_estimate``, validate's statistic). ``worst``: the lowest cosine of the
+        first ``held`` feeds (the held-out ones; default all)."""
+        held = len(outs) if held is None else held
+        worst = worst_feed_cosine(outs[:held], refs[:held])
+        if metric is not None and metric.name != "cosine":
+            w = metric.worst(outs, refs, feeds)
+            return cls(w, 0.0, w, worst=worst)
+        return cls(*pooled_estimate([pooled_sums(r, o) for o, r in zip(outs, refs)], z), worst=worst)
+
 
 def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
                   method: str | None = None,
@@ -141,13 +155,7 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
 
         def score_with(qz: Quantizer, names: list[str]) -> Judged | None:
             outs = qz.outputs(names, judge_feeds)
-            if outs is None:
-                return None
-            if not pooled:  # another metric: its worst feed
-                w = metric.worst(outs, ref, judge_feeds)
-                return Judged(w, 0.0, w, worst=w)
-            return Judged(*pooled_estimate([pooled_sums(r, o) for o, r in zip(outs, ref)], JUDGE_Z),
-                          worst=worst_feed_cosine(outs[:len(eval_feeds)], ref[:len(eval_feeds)]))
+            return None if outs is None else Judged.of(outs, ref, judge_feeds, metric, held=len(eval_feeds))
 
         def score(names: list[str]) -> Judged:
             return score_with(q, names)  # q: the quantizer of the ranges in use
@@ -242,7 +250,7 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
                    "calibrate_seconds": time.perf_counter() - t0}
         if cos_chosen is not None and not pooled:  # the user's metric, and the cosine beside it
             metrics.update(search_metric=metric.name, search_score_worst_feed=cos_chosen.bound,
-                           search_cosine_worst_feed=worst_feed_cosine(q.outputs(chosen, eval_feeds), ref))
+                           search_cosine_worst_feed=cos_chosen.worst)
         elif cos_chosen is not None:  # measured (never a stand-in when ONNX Runtime cannot run the graph)
             metrics.update(search_cosine=cos_chosen.cosine, search_cosine_se=cos_chosen.se,
                            search_cosine_bound=cos_chosen.bound)

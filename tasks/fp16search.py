@@ -112,7 +112,7 @@ class Judge:
         from .calibrate import JUDGE_Z
         from .sensitivity import output_norms
 
-        self.feeds, self.refs = feeds, refs
+        self.feeds, self.refs, self.metric = feeds, refs, metric
         self.value = None if metric is None or metric.name == "cosine" else metric.value
         self.z = JUDGE_Z if z is None else z
         self.runs = 0  # whole-model runs (one sample each)
@@ -138,19 +138,14 @@ class Judge:
         """The graph on every sample: ``tasks.calibrate.Judged`` (the pooled cosine, its standard error and the bound
         less ``z`` of them; another metric: its worst feed as all three) with the worst single sample's cosine."""
         from .calibrate import Judged
-        from .metrics import pooled_estimate, pooled_sums, worst_feed_cosine
 
         run = self._runner(model16)
         outs = [run(f) for f in self.feeds]
-        worst = worst_feed_cosine(outs, self.refs)
         self.per_feed = [min((cosine(o[k], r[k]) for k in r), default=1.0) if self.pooled else self.value(o, r, f)
                          for o, r, f in zip(outs, self.refs, self.feeds)]
         for i, v in enumerate(self.per_feed):  # the samples that came lowest run first in ``meets``
             self._miss[i] = max(self._miss.get(i, 0.0), 1.0 - v)
-        if self.pooled:
-            return Judged(*pooled_estimate([pooled_sums(r, o) for o, r in zip(outs, self.refs)], self.z), worst=worst)
-        w = min((self.value(o, r, f) for o, r, f in zip(outs, self.refs, self.feeds)), default=1.0)
-        return Judged(w, 0.0, w, worst=worst)
+        return Judged.of(outs, self.refs, self.feeds, self.metric, self.z)
 
     def meets(self, model16: onnx.ModelProto, target: float) -> bool:
         """Whether the graph meets ``target`` (``tasks.sensitivity.meets_target``: the samples that fell shortest before
