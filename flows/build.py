@@ -11,6 +11,7 @@ import socket
 import sys
 import time
 import uuid
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +24,11 @@ if __name__ == "__main__":  # the CLI: with TRTFORGE_DAEMON=1 a warm build proce
     if not {"-h", "--help", "-c", "--cfg"} & set(sys.argv[1:]):  # the shared local Prefect server (when none runs)
         from flows.env import env_defaults                          # starts while this process imports and checks
         from flows.local.server import begin                              # its input (stopped again when no flow needs it)
+        from flows.local import tracker  # and the build's tracker loads MLflow (ends with this process when unused)
 
         env_defaults()
         begin()
+        tracker.start()
 
 from flows.env import env_defaults  # noqa: E402
 
@@ -41,32 +44,48 @@ from flows.cache import (StageCache, build_key, new_result_dir, named_lock, publ
 from flows.cli import expand_overrides, parse_args, print_stage, print_summary  # noqa: E402
 from flows.config import compose_config, flat_params, preflight  # noqa: E402
 from flows.sweep import jobs, run_sweep  # noqa: E402
-from flows.tracking import end_run, run_matches, warm, warmed  # noqa: E402
+from flows.local import tracker  # noqa: E402
+from flows.tracking import failure_text, run_matches, warm, warmed  # noqa: E402
 from tasks.errors import TrtforgeError, cause  # noqa: E402
 from tasks.report import write_report  # noqa: E402
 from tasks.util import write_json  # noqa: E402
 
 
 @task(task_run_name="{name}", cache_policy=NONE, persist_result=False)
-def stage(name: str, ctx: BuildContext) -> None:
-    ctx.run(name, getattr(stages, name))
+def stage(name: str) -> None:
+    _current.get().run(name, getattr(stages, name))
+
+
+# the build this flow runs: not a parameter of the flow or its tasks (Prefect walks every parameter of every task run
+# looking for futures, and encodes the flow's for its API with FastAPI's encoder, importing FastAPI: a build's whole
+# context, config and data included, each time)
+_current: ContextVar[BuildContext] = ContextVar("trtforge_build")
+
+
+def run_name() -> str:
+    cfg = _current.get().cfg
+    return f"{cfg.model.name}-{cfg.target.name}-{cfg.precision.name}"
 
 
 @task(name="track", cache_policy=NONE, persist_result=False, retries=2, retry_delay_seconds=2)
 def track(**kwargs: Any) -> dict:
-    from flows.tracking import log_build
-
-    return log_build(**kwargs)
+    return tracker.call("log_build", **kwargs)  # in the build's tracker process, where MLflow loaded meanwhile
 
 
-@flow(name="trtforge-build", flow_run_name="{run_name}", validate_parameters=False, persist_result=False)
-def build_flow(ctx: BuildContext, run_name: str) -> dict:
+def end_run(run_id: str, ok: bool, failure: BaseException | None = None) -> None:
+    tracker.call("end_run", run_id=run_id, ok=ok, failure=None if failure is None else failure_text(failure))
+
+
+@flow(name="trtforge-build", flow_run_name=run_name, validate_parameters=False, persist_result=False)
+def build_flow() -> dict:
+    """The build of the context set in `_current` (run_build)."""
     from prefect.runtime import flow_run
 
+    ctx = _current.get()
     ctx.origin = {"run": f"{flow_run.get_name()} ({flow_run.get_id()})"}  # stored with every result computed here
     timeline.mark("flow run started")
     for name in stages.STAGE_NAMES:  # export, partition, build, calibrate, validate, benchmark
-        stage(name, ctx)
+        stage(name)
         if name == "validate" and stages.fp16_search_due(ctx):
             search_and_revalidate(ctx)
         if ctx.error is not None and ctx.error.exit_code != 1:
@@ -88,7 +107,7 @@ def search_and_revalidate(ctx: BuildContext) -> None:
             ctx.stages[n] = {"status": "skipped", "seconds": 0.0, "reason": f"the {ctx.failed} stage failed",
                              "first_attempt": attempt}
             continue
-        stage(n, ctx)
+        stage(n)
         e = ctx.stages[n]
         e["first_attempt"] = attempt
         e["seconds"] = round(e.get("seconds", 0.0) + (first[n].get("seconds") or 0.0), 3)
@@ -121,7 +140,8 @@ def publish(ctx: BuildContext) -> dict:
         for key, fname in (("partition", "partition.json"), ("graph", "partition.png"), ("validation", "validation.json"),
                            ("benchmark", "benchmark.json"), ("sensitivity", "sensitivity.json"),
                            ("sensitivity_plot", "sensitivity.png"), ("precision_profile", "precision_profile.json"),
-                           ("precision_profile_plot", "precision_profile.png"), ("prequant", "prequant.json")):
+                           ("precision_profile_plot", "precision_profile.png"), ("prequant", "prequant.json"), ("accuracy_plot", "accuracy.png"),
+                           ("latency_plot", "latency.png")):
             if key in r.files:
                 (tmp / fname).write_bytes(Path(r.files[key]).read_bytes())
     if "validate" in ctx.results:  # the accuracy verdict in words: what was measured, on what, and how strong it is
@@ -221,7 +241,7 @@ def run_build(cfg: DictConfig, config_dir: str | None = None, show_progress: boo
             if done is None:
                 # the shared local Prefect server starts (unless one runs) while Prefect and MLflow load in the
                 # background and preflight checks the inputs
-                warm(prefect=prefect_server.begin())
+                warm(prefect=prefect_server.begin(), mlflow=not tracker.start())
                 timeline.mark("work found")
                 identity = BuildIdentity(
                     cache_key=key, build_id=uuid.uuid4().hex, tolerance=tolerance, started=started,
@@ -230,12 +250,15 @@ def run_build(cfg: DictConfig, config_dir: str | None = None, show_progress: boo
                 ctx = BuildContext(cfg=cfg, inputs=preflight(cfg, config_dir), identity=identity,
                                    cache=StageCache(cfg.cache_dir), show_progress=show_progress, on_stage=on_stage)
                 timeline.mark("preflight done")
-                name = f"{cfg.model.name}-{cfg.target.name}-{cfg.precision.name}"
                 prefect_server.ensure()  # the user's shared local Prefect server answers (waits for its start)
                 timeline.mark("prefect server answers")
                 warmed()  # the background imports are done: Prefect and MLflow are imported by one thread at a time
-                with prefect_server.lease(), prefect_server.without_heartbeats():
-                    summary = build_flow(ctx, run_name=name)
+                token = _current.set(ctx)
+                try:
+                    with prefect_server.lease(), prefect_server.without_heartbeats():
+                        summary = build_flow()
+                finally:
+                    _current.reset(token)
                 if summary is None:  # bad input found by a stage: nothing published or tracked
                     raise ctx.error
                 timeline.mark("flow done")

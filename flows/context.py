@@ -120,7 +120,15 @@ class BuildContext:
             if (entry, key) in self.cache.stale:  # same config, but a file it read or a library it used changed
                 self.stages[stage]["reason"] = f"recomputed: {self.cache.stale[(entry, key)]} since the cached result"
             self.computed.append((entry, key))
-            hit = self.cache.run(entry, key, fn, origin=self.origin)
+
+            def work(d: Path) -> StageResult:  # with a record of the data it made: a cached result needs none of it
+                r = fn(d)
+                made = self.data.made_records()
+                if made:
+                    r.details["data_records"] = made
+                return r
+            hit = self.cache.run(entry, key, work, origin=self.origin)
+        self.data.remember(hit.details.get("data_records") or {})
         self.deps = merge_deps(self.deps, hit.deps)
         return hit
 

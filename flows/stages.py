@@ -473,7 +473,6 @@ def validate(ctx: BuildContext) -> StageResult:
     segs = {s["index"]: s["onnx"] for s in trt_segments(ctx)}
     candidates = engines_of(cand)
     identical = not shipped and all(same_graph(o, segs[i]) for i, _, o in candidates)
-    evidence = [w for w in (describe_thin(val),) if w]
     parts = {"reference": sha256_file(reference), "candidate": [sha256_file(o) for _, _, o in candidates],
              "plan": sha256_file(ctx.results["partition"].files["partition"]), "data": val.key,
              "min_cosine": ctx.cfg.accuracy.min_cosine, "precision": ctx.cfg.precision.name,  # in the result's labels
@@ -482,12 +481,7 @@ def validate(ctx: BuildContext) -> StageResult:
     metric = accuracy_metric(ctx)
     if metric.name != "cosine" or metric.gate_logits:  # what decides the verdict (a user function: its module too)
         parts["metric"] = {"settings": metric.settings(), **(metric_fingerprint(ctx) or {})}
-    labels = None
     if ctx.cfg.validation.labels:  # the user function's labels=, per validation batch
-        from tasks.accuracy import labels_per_feed, load_labels
-        from tasks.inputs import batch_size
-        labels = labels_per_feed(load_labels(ctx.cfg.validation.labels, sum(batch_size(f) for f in val.feeds)),
-                                 val.feeds)
         parts["labels"] = sha256_file(ctx.cfg.validation.labels)
     label = f"{ctx.cfg.model.name} at {ctx.cfg.precision.name}"
     cal = ctx.results.get("calibrate")
@@ -496,7 +490,14 @@ def validate(ctx: BuildContext) -> StageResult:
     if metric.name != "cosine":  # those fixes speak of cosine
         fix = None
 
-    def work(d: Path) -> StageResult:
+    def work(d: Path) -> StageResult:  # the data is made (rendered, read) here: a cached verdict needs none of it
+        evidence = [w for w in (describe_thin(val),) if w]
+        labels = None
+        if ctx.cfg.validation.labels:
+            from tasks.accuracy import labels_per_feed, load_labels
+            from tasks.inputs import batch_size
+            labels = labels_per_feed(load_labels(ctx.cfg.validation.labels, sum(batch_size(f) for f in val.feeds)),
+                                     val.feeds)
         with contextlib.ExitStack() as runners:
             engine = candidate_runner(ctx, runners=runners) if engine_reason is None else None
             try:
@@ -541,16 +542,16 @@ def benchmark(ctx: BuildContext) -> StageResult:
         raise Skip("disabled (stages.benchmark=false)")
     ref, eng_r, cc, p = ctx.results["export"], deliverable(ctx), ctx.cfg.target.compute_capability, ctx.cfg.precision
     opt = {n: {"min": r["opt"], "opt": r["opt"], "max": r["opt"]} for n, r in ctx.inputs.profiles[0].items()}
-    feed = generated_feeds(ctx.inputs.inputs, [opt], 0, ctx.cfg.seed, recipe=ctx.c("model.images"))[0]
     gpu, bench, hybrid = trt_backend.gpu_for(cc), ctx.c("benchmark"), ctx.results["partition"].details.get("hybrid")
     build_metrics = {k: ctx.metrics[k] for k in ("engine_bytes", "build_seconds", "baseline_engine_bytes",
                                                  "baseline_build_seconds") if k in ctx.metrics}
     parts = {"onnx": file_hash(ref, "onnx"), "bench": bench, "host": host_info(), "gpu": gpu and gpu.name,
-             "shape": {n: list(a.shape) for n, a in feed.items()},
+             "shape": {n: list(r["opt"]) for n, r in opt.items()},
              "engines": [sha256_file(e) for _, e, _ in engines_of(eng_r)] if gpu else None}
     cache = runtime_cache_file(ctx.cfg.cache_dir, ctx.cfg.target.name, ctx.backend.version)
 
-    def work(d: Path) -> StageResult:
+    def work(d: Path) -> StageResult:  # the input is made here: a cached timing needs none
+        feed = generated_feeds(ctx.inputs.inputs, [opt], 0, ctx.cfg.seed, recipe=ctx.c("model.images"))[0]
         timing = None
         if gpu:  # engines on the GPU; a hybrid model end to end (engines + native segments + copies)
             with contextlib.ExitStack() as runners:

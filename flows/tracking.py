@@ -64,10 +64,10 @@ def use_experiment(name: str) -> str:
     return uri
 
 
-def warm(prefect: bool = False) -> None:
-    """Import MLflow and open the tracking store when it exists (and Prefect, when ``prefect``: its API URL must be
-    set) in a background thread, while the build does its own work: seconds of imports and store set-up off the critical path.
-    Errors are left for the real calls to report."""
+def warm(prefect: bool = False, mlflow: bool = True) -> None:
+    """While the build does its own work, in a background thread: import Prefect (when ``prefect``: its API URL must be
+    set), and MLflow and its store (when ``mlflow``: no tracker process loads them, flows/local/tracker.py): seconds of
+    imports and store set-up off the critical path. Errors are left for the real calls to report."""
     import threading
 
     from flows import timeline
@@ -83,21 +83,9 @@ def warm(prefect: bool = False) -> None:
                 import prefect.flow_engine  # noqa: F401
                 import prefect.task_engine  # noqa: F401
                 timeline.mark("warm: prefect imported")
-            from flows.local.locks import named_lock
-
-            uri = tracking_uri()
-            if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
-                # a new store is made by the build's run, not here: a build stopped by bad input leaves no file
-                import mlflow.store.model_registry.sqlalchemy_store  # noqa: F401
-                import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
-                from mlflow.tracking import MlflowClient  # noqa: F401
-                timeline.mark("warm: mlflow imported")
-                return
-            c = client()
-            with named_lock(Path(uri), "mlflow-store"):  # a new store creates its tables: one build at a time
-                c._tracking_client.store  # noqa: B018  (MLflow caches the store per URI)
-            c._get_registry_client().store  # noqa: B018
-            timeline.mark("warm: mlflow store open")
+            if with_mlflow:
+                warm_store()
+                timeline.mark("warm: mlflow store open")
         except Exception:  # noqa: BLE001 - the build's own calls report what is wrong
             pass
         finally:
@@ -105,9 +93,29 @@ def warm(prefect: bool = False) -> None:
                 gc.enable()
 
     global _warming
-    with_prefect = prefect
+    with_prefect, with_mlflow = prefect, mlflow
     _warming = threading.Thread(target=work, name="trtforge-warm", daemon=True)
     _warming.start()
+
+
+def warm_store() -> None:
+    """Import MLflow and open the tracking store when it exists (a new one is made by the build's run, not here: a
+    build stopped by bad input leaves no file). Errors are left for the real calls to report."""
+    from flows.local.locks import named_lock
+
+    try:
+        uri = tracking_uri()
+        if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
+            import mlflow.store.model_registry.sqlalchemy_store  # noqa: F401
+            import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
+            from mlflow.tracking import MlflowClient  # noqa: F401
+            return
+        c = client()
+        with named_lock(Path(uri), "mlflow-store"):  # a new store creates its tables: one build at a time
+            c._tracking_client.store  # noqa: B018  (MLflow caches the store per URI)
+        c._get_registry_client().store  # noqa: B018
+    except Exception:  # noqa: BLE001
+        pass
 
 
 _warming = None  # the thread warm() started
@@ -235,14 +243,19 @@ def end_run(run_id: str, ok: bool, failure: BaseException | str | None = None) -
     FINISHED or FAILED with this moment as its end time."""
     import time
 
-    from tasks.errors import cause
-
     c = client()
     if failure is not None:
-        c.set_tag(run_id, "failure", f"tracking failed: {type(failure).__name__}: {cause(failure)}"[:5000]
-                  if isinstance(failure, BaseException) else str(failure)[:5000])
+        c.set_tag(run_id, "failure", failure_text(failure))
     c.set_tag(run_id, "status", "ok" if ok and failure is None else "failed")
     c.set_terminated(run_id, status="FINISHED" if ok and failure is None else "FAILED", end_time=int(time.time() * 1000))
+
+
+def failure_text(failure: BaseException | str) -> str:
+    """The `failure` tag of a run whose result did not make it."""
+    from tasks.errors import cause
+
+    return (f"tracking failed: {type(failure).__name__}: {cause(failure)}" if isinstance(failure, BaseException)
+            else str(failure))[:5000]
 
 
 def log_build(*, experiment: str, summary: dict, params: dict[str, str], resolved_yaml: str, out_dir: Path,

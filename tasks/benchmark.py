@@ -79,7 +79,13 @@ def benchmark_model(onnx_path: Path, feed: dict[str, np.ndarray], bench_cfg: Any
     if engine_timing:
         metrics.update({f"trt_{k}": v for k, v in engine_timing.items() if isinstance(v, float)})
     metrics["benchmark_seconds"] = time.perf_counter() - t0
-    return StageResult(files={"benchmark": out_path}, metrics=metrics, details=report)
+    files = {"benchmark": out_path}
+    from .report import latency_plot
+
+    plot = latency_plot(report, out_path.with_name("latency.png"))  # kept with the timing (a cached one needs no redraw)
+    if plot:
+        files["latency_plot"] = plot
+    return StageResult(files=files, metrics=metrics, details=report)
 
 
 def engine_timing(feed: dict[str, np.ndarray], bench_cfg: Any, device: str, open_engine: Callable, engine: Path,

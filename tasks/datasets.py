@@ -22,6 +22,7 @@ Sets made from a recipe or at random are made lazily (``DataSet.feeds``); ``key`
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -52,6 +53,7 @@ class DataSet:
     notes: list[str] = field(default_factory=list)
     files: list[dict] = field(default_factory=list)  # the user's files (and their sha256) or image files this set read
     _feeds: list[Feed] | None = None
+    _known: dict | None = None  # record() of this content, kept by a stage that made it (see remember)
 
     @property
     def feeds(self) -> list[Feed]:
@@ -60,8 +62,22 @@ class DataSet:
         return self._feeds
 
     @property
+    def made(self) -> bool:
+        return self._feeds is not None
+
+    @property
     def samples(self) -> int:
-        return sum(batch_size(f) for f in self.feeds)
+        return self._known["samples"] if self._feeds is None and self._known else sum(batch_size(f) for f in self.feeds)
+
+    def fingerprint(self) -> str:
+        """What the content depends on, hashed (the key names it whole: seeds, shapes, generator, files' sha256)."""
+        return hashlib.sha256(json.dumps([self.purpose, self.key], sort_keys=True, default=str).encode()).hexdigest()
+
+    def remember(self, known: dict) -> None:
+        """A record of this set kept by a cached stage ({"fingerprint", "record"}): summary.json's figures without
+        making the data again (rendering a model's images takes seconds), taken only when the content is the same."""
+        if self._feeds is None and known.get("fingerprint") == self.fingerprint():
+            self._known = known["record"]
 
     @property
     def thin(self) -> list[str]:
@@ -75,6 +91,8 @@ class DataSet:
         return why
 
     def record(self) -> dict:
+        if self._feeds is None and self._known is not None:
+            return self._known
         rec = DataRecord.of(self.feeds, self.kind, files=self.files, notes=list(self.notes))
         return {"samples": rec.samples, "feeds": rec.feeds, "source": self.source, "kind": self.kind,
                 "shapes": rec.shapes, **({"files": self.files} if self.files else {}),
@@ -90,7 +108,19 @@ class DataSplit:
 
     def summary(self) -> dict:
         """summary.json ``data``: one entry per set that exists."""
-        return {s.purpose: s.record() for s in (self.calibration, self.search, self.validation) if s is not None}
+        return {s.purpose: s.record() for s in self.sets()}
+
+    def sets(self) -> list[DataSet]:
+        return [s for s in (self.calibration, self.search, self.validation) if s is not None]
+
+    def made_records(self) -> dict:
+        """{purpose: {"fingerprint", "record"}} of the sets made so far: what a stage keeps with its result."""
+        return {s.purpose: {"fingerprint": s.fingerprint(), "record": s.record()} for s in self.sets() if s.made}
+
+    def remember(self, records: dict) -> None:
+        for s in self.sets():
+            if s.purpose in records:
+                s.remember(records[s.purpose])
 
 
 @dataclass

@@ -232,14 +232,9 @@ def sensitivity_report(segments: list[dict], d: Path) -> dict[str, Path]:
 
 
 def write_report(out_dir: Path) -> Path:
-    """Plots (accuracy.png, latency.png) and report.html in a result folder that holds summary.json."""
+    """report.html in a result folder that holds summary.json and the stages' reports and plots (validate draws
+    accuracy.png, benchmark latency.png: a cached stage brings its figure, nothing is drawn again)."""
     out_dir = Path(out_dir)
-    validation = _read(out_dir / "validation.json")
-    benchmark = _read(out_dir / "benchmark.json")
-    if validation:
-        accuracy_plot(validation, out_dir / "accuracy.png")
-    if benchmark:
-        latency_plot(benchmark, out_dir / "latency.png")
     path = out_dir / "report.html"
     path.write_text(report_html(out_dir))
     return path

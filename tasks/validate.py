@@ -147,7 +147,13 @@ def validate_onnx(reference: Path, candidate: Path | Callable, feeds: list[dict[
     }
     write_json(out_path, report)
     metrics["validate_seconds"] = time.perf_counter() - t0
-    result = StageResult(files={"validation": out_path}, metrics=metrics, details=report)
+    files = {"validation": out_path}
+    from .report import accuracy_plot
+
+    plot = accuracy_plot(report, out_path.with_name("accuracy.png"))  # kept with the verdict (a cached one needs no redraw)
+    if plot:
+        files["accuracy_plot"] = plot
+    result = StageResult(files=files, metrics=metrics, details=report)
     gate(result, label=label or (None if callable(candidate) else str(candidate)), fix=fix)
     return result
 

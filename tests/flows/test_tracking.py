@@ -96,25 +96,36 @@ def test_a_run_left_running_by_a_killed_build_is_ended_by_the_next_build_on_any_
 
 WARM = r"""
 import json, sys, threading
+from flows.local import tracker
 from flows.tracking import warm
-warm(prefect=True)
+warm(prefect=True, mlflow=not tracker.start())  # as a build starts them
 next(t for t in threading.enumerate() if t.name == "trtforge-warm").join(120)
-print("WARM " + json.dumps({m: m in sys.modules for m in ("prefect.flow_engine", "prefect.task_engine", "mlflow")}))
+out = {m: m in sys.modules for m in ("prefect.flow_engine", "prefect.task_engine", "mlflow")}
+out["tracker"] = tracker.running()
+if tracker.running():  # a call is answered once the tracker has loaded MLflow (and opened the store when it exists)
+    try:
+        tracker._tracker.call("nothing", {})
+    except ValueError as e:
+        out["tracker_answers"] = "serves" in str(e)
+print("WARM " + json.dumps(out))
 """
 
 
-def test_warm_loads_prefect_and_mlflow_and_opens_the_store_in_the_background(tmp_path):
+@pytest.mark.parametrize("aside", [True, False], ids=["tracker", "in-process"])
+def test_warm_loads_prefect_and_mlflow_and_opens_the_store_in_the_background(tmp_path, aside):
     """What a build needs from Prefect and MLflow loads beside its preflight and the server's start (a build then
-    only waits for what is not done yet): the modules are imported, an existing store is opened, and a new one is
-    left to the build's run (a build stopped by bad input leaves no file behind)."""
+    only waits for what is not done yet): Prefect in a thread, MLflow in the build's tracker process (or, with
+    TRTFORGE_TRACKER=0, in the thread too: the build's process then imports it); an existing store is opened, and a
+    new one is left to the build's run (a build stopped by bad input leaves no file behind)."""
     import subprocess
     import sys
 
     store = tmp_path / "mlflow.db"
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{store}", "PREFECT_API_URL": "http://127.0.0.1:9/api",
-           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "TRTFORGE_TRACKER": "1" if aside else "0"}
     p = subprocess.run([sys.executable, "-c", WARM], env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-2000:]
     loaded = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("WARM "))[5:])
-    assert loaded == {"prefect.flow_engine": True, "prefect.task_engine": True, "mlflow": True}
+    want = {"prefect.flow_engine": True, "prefect.task_engine": True, "mlflow": not aside, "tracker": aside}
+    assert loaded == ({**want, "tracker_answers": True} if aside else want)
     assert not store.exists()

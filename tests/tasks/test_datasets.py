@@ -125,3 +125,26 @@ def test_an_fp16_search_holds_its_samples_out_of_what_validates():
     s = split(calibrate=False)  # no data: random draws from the search's own seeds, not the validation's
     assert s.search.kind == "random" and s.validation.kind == "random"
     assert s.search.key["seed"] != s.validation.key.get("seed")
+
+
+def test_a_record_kept_by_a_cached_stage_describes_the_set_without_making_it_again():
+    """summary.json's data figures of a cached build come from the record its stage kept (rendering a model's images
+    takes seconds); a set whose content differs (another seed) does not take it."""
+    made = split(validate=True, calibrate=False, search=False, validation_samples=5, validation_seed=3)
+    kept = made.made_records()
+    assert kept == {}  # nothing made yet
+    want = made.summary()
+    kept = made.made_records()
+    assert set(kept) == {"validation"} and kept["validation"]["record"] == want["validation"]
+
+    def never() -> list:
+        raise AssertionError("the data was made again")
+
+    again = split(validate=True, calibrate=False, search=False, validation_samples=5, validation_seed=3)
+    again.validation.make = never
+    again.remember(kept)
+    assert again.summary() == want and again.validation.samples == want["validation"]["samples"]
+    other = split(validate=True, calibrate=False, search=False, validation_samples=5, validation_seed=4)
+    other.remember(kept)
+    assert not other.validation.made and other.summary()["validation"]["samples"] >= 1
+    assert other.validation.made  # its own content, made
