@@ -26,16 +26,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-
-def python_exe() -> str:
-    venv = ROOT / ".venv" / "bin" / "python"
-    return str(venv) if venv.exists() else sys.executable
-
-
-def bench_env(tmp: Path) -> dict:
-    return dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp / 'mlflow.db'}", PREFECT_HOME=str(tmp / "prefect"),
-                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+from bench_build import pipeline_env as bench_env, python_exe  # noqa: E402  (one temp state, one interpreter)
 
 
 def run(tmp: Path, args: list[str], label: str) -> tuple[float, str]:
