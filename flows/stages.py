@@ -142,6 +142,7 @@ def _bisect_progress(show: bool, replan: int):
 
 def _build_engines(ctx: BuildContext) -> StageResult:
     from tasks.build import add_metrics, as_baseline, onnx_at_precision
+    from tasks.fp16search import searched_segments
     from tasks.graph import load_onnx
     from tasks.precision import fp16_hazards_from_data
     from tasks.prequant import precision_for
@@ -188,23 +189,9 @@ def _build_engines(ctx: BuildContext) -> StageResult:
         for i, c in convs.items():
             r.files[f"onnx{i}"] = c.files["onnx"]
             add_metrics(r.metrics, c.metrics, ("convert_seconds",))
-        searched = [(i, c) for i, c in convs.items() if "fp16_search" in c.details]
-        if searched:  # the search's figures under its own names (int8's keys), the lowest segment's cosine
-            r.metrics["fallback_layers"] = sum(c.metrics["fallback_layers"] for _, c in searched)
-            r.metrics["search_runs"] = sum(c.metrics["search_runs"] for _, c in searched)
-            r.metrics["search_samples"] = max(c.metrics["search_samples"] for _, c in searched)
-            for k in ("search_cosine", "search_cosine_se", "search_cosine_bound", "search_cosine_worst_feed",
-                      "search_cosine_fp16", "search_score_worst_feed", "search_score_fp16"):
-                if any(k in c.metrics for _, c in searched):  # absent when not measured
-                    pick = max if k == "search_cosine_se" else min
-                    r.metrics[k] = pick(c.metrics[k] for _, c in searched if k in c.metrics)
-            if any("search_metric" in c.metrics for _, c in searched):
-                r.metrics["search_metric"] = judge.name
-            from tasks.report import sensitivity_report
-            r.files.update(sensitivity_report([
-                {"segment": i, "method": "fp16 accuracy search (nodes ranked by error growth)", "precision": "fp16",
-                 "fallback": list(c.details["fp16_search"]["kept"]), **c.details["fp16_search"]}
-                for i, c in searched], d))
+        searched = searched_segments(convs, d)  # the search's figures over the segments, its sensitivity report
+        r.metrics.update(searched.metrics)
+        r.files.update(searched.files)
         r.details.update(conversion=[c.details for c in convs.values()], precision=precision)
         return r
 

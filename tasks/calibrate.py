@@ -32,7 +32,7 @@ from .ort import ort_runner, quiet_python_logging
 from .precision import DATA_MAX, fp16_hazards_from_data
 from .qdq import PRECISIONS, QUANT_OPS, Quantizer
 from .ranges import DEFAULT_METHOD, METHODS, alternative_ranges, ranges_from_feeds, save_ranges
-from .search import JUDGE_CALIBRATION, restore_search
+from .search import JUDGE_CALIBRATION, combined_search_metrics, restore_search
 from .sensitivity import Switchable, local_errors
 from .util import StageResult
 
@@ -322,7 +322,7 @@ def qdq_for_segments(segments: list[dict], feeds_for: Callable[[int], list[Feed]
     each segment's candidates are judged through the rest of the model, on its outputs (``qdq_from_onnx``)."""
     from .report import sensitivity_report
 
-    files, metrics, details = {}, {"quantized_layers": 0, "fallback_layers": 0}, []
+    files, per_segment, details = {}, [], []
     for s in segments:
         i = s["index"]
         with (progress(i) if progress else contextlib.nullcontext()) as on_sample:
@@ -331,16 +331,9 @@ def qdq_for_segments(segments: list[dict], feeds_for: Callable[[int], list[Feed]
                               workdir=out_dir / f"work{i}", on_sample=on_sample, no_layers_ok=len(segments) > 1,
                               data_max=data_max, metric=metric, through=rest.after(i) if rest is not None else None)
         files[f"qdq{i}"] = r.files["onnx"]
-        for k in ("quantized_layers", "fallback_layers"):
-            metrics[k] += r.metrics[k]
-        for k in ("search_cosine", "search_cosine_bound", "search_cosine_worst_feed", "search_cosine_all_quantized",
-                  "search_score_worst_feed", "search_score_all_quantized"):  # absent when not measured
-            if k in r.metrics:
-                metrics[k] = min(metrics.get(k, 1.0), r.metrics[k])
-        metrics.update(calibration_samples=r.metrics["calibration_samples"], search_samples=r.metrics["search_samples"])
-        if "search_metric" in r.metrics:
-            metrics["search_metric"] = r.metrics["search_metric"]
+        per_segment.append(r.metrics)
         details.append({"segment": i, **r.details})
+    metrics = combined_search_metrics(per_segment)
     if not metrics["quantized_layers"] + metrics["fallback_layers"]:
         raise StageError("no TensorRT segment of the model has a Conv/ConvTranspose/MatMul/Gemm node to quantize",
                          stage=STAGE, fix="keep this model at fp16/fp32")

@@ -13,6 +13,7 @@ from onnx import TensorProto as T
 from onnx import helper as h
 from onnx import numpy_helper as nh
 
+from tests.conftest import model_conf
 from tests.flows.test_build_flow import build
 
 D, STEPS = 16, 6
@@ -69,20 +70,19 @@ def argmax_decoder(seed: int = 0, eps: float = 0.2, outlier: float = 100.0) -> o
 @pytest.fixture(scope="module")
 def decoder_conf(tmp_path_factory):
     d = tmp_path_factory.mktemp("argmax_decoder")
-    (d / "model").mkdir()
     onnx.save(argmax_decoder(), str(d / "decoder.onnx"))
-    rng = np.random.default_rng(7)
-    np.savez(d / "samples.npz", x=rng.standard_normal([24, D]).astype(np.float32))  # 24 samples on axis 0
-    (d / "model" / "argmax_decoder.yaml").write_text(f"name: argmax_decoder\nsource: {d / 'decoder.onnx'}\n")
-    return d
+    np.savez(d / "samples.npz", x=np.random.default_rng(7).standard_normal([24, D]).astype(np.float32))  # on axis 0
+    conf = model_conf(d, "argmax_decoder", d / "decoder.onnx", f"x: {{min: [1, {D}], opt: [1, {D}], max: [1, {D}]}}")
+    return conf, d / "samples.npz"
 
 
 def test_int8_of_a_segment_before_a_native_loop_is_judged_through_the_loop(prefect_harness, decoder_conf, tmp_path):
     """The encoder segment alone meets the budget all-int8 (its output's cosine stays near 1), but int8 weights flip
     the Loop's argmax on some samples and the model then decodes another number of steps. Judged through the Loop on
     the model's output, the search keeps the flipping MatMul in fp16 and the build validates on samples it never saw."""
-    s = build(["model=argmax_decoder", "precision=int8", f"calibration.data={decoder_conf / 'samples.npz'}",
-               "partition.exclude_ops=[Loop]", "stages.benchmark=false"], decoder_conf, tmp_path)
+    conf, samples = decoder_conf
+    s = build(["model=argmax_decoder", "precision=int8", f"calibration.data={samples}", "partition.exclude_ops=[Loop]",
+               "stages.benchmark=false"], conf, tmp_path)
     assert s["status"] == "ok", s.get("error")
     m = s["metrics"]
     assert m["cosine_min"] >= 0.99 and m["trt_subgraphs"] >= 1 and m["fallback_nodes"] >= 1
