@@ -142,6 +142,7 @@ def _bisect_progress(show: bool, replan: int):
 
 def _build_engines(ctx: BuildContext) -> StageResult:
     from tasks.build import add_metrics, as_baseline, onnx_at_precision
+    from tasks.fp16search import searched_segments
     from tasks.graph import load_onnx
     from tasks.precision import fp16_hazards_from_data
     from tasks.prequant import precision_for
@@ -188,23 +189,9 @@ def _build_engines(ctx: BuildContext) -> StageResult:
         for i, c in convs.items():
             r.files[f"onnx{i}"] = c.files["onnx"]
             add_metrics(r.metrics, c.metrics, ("convert_seconds",))
-        searched = [(i, c) for i, c in convs.items() if "fp16_search" in c.details]
-        if searched:  # the search's figures under its own names (int8's keys), the lowest segment's cosine
-            r.metrics["fallback_layers"] = sum(c.metrics["fallback_layers"] for _, c in searched)
-            r.metrics["search_runs"] = sum(c.metrics["search_runs"] for _, c in searched)
-            r.metrics["search_samples"] = max(c.metrics["search_samples"] for _, c in searched)
-            for k in ("search_cosine", "search_cosine_se", "search_cosine_bound", "search_cosine_worst_feed",
-                      "search_cosine_fp16", "search_score_worst_feed", "search_score_fp16"):
-                if any(k in c.metrics for _, c in searched):  # absent when not measured
-                    pick = max if k == "search_cosine_se" else min
-                    r.metrics[k] = pick(c.metrics[k] for _, c in searched if k in c.metrics)
-            if any("search_metric" in c.metrics for _, c in searched):
-                r.metrics["search_metric"] = judge.name
-            from tasks.report import sensitivity_report
-            r.files.update(sensitivity_report([
-                {"segment": i, "method": "fp16 accuracy search (nodes ranked by error growth)", "precision": "fp16",
-                 "fallback": list(c.details["fp16_search"]["kept"]), **c.details["fp16_search"]}
-                for i, c in searched], d))
+        searched = searched_segments(convs, d)  # the search's figures over the segments, its sensitivity report
+        r.metrics.update(searched.metrics)
+        r.files.update(searched.files)
         r.details.update(conversion=[c.details for c in convs.values()], precision=precision)
         return r
 
@@ -270,9 +257,9 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
     if prequantized(ctx):
         from tasks.prequant import describe
         raise Skip(f"the model is already quantized ({describe(prequantized(ctx))})")
-    from tasks.calibrate import low_share_warning, qdq_for_segments
+    from tasks.calibrate import judge_feeds_of, low_share_warning, qdq_for_segments
     from tasks.search import judged_samples, search_target
-    from tasks.segments import segment_feeds
+    from tasks.segments import Rest, segment_feeds
 
     cal, held = ctx.data.calibration, ctx.data.search
     segs, plan, model = trt_segments(ctx), ctx.results["partition"].details, ctx.results["export"].files["onnx"]
@@ -287,6 +274,9 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
                "fp16_data_max": ctx.cfg.build.fp16_data_max}
     if judge is not None and judge.name != "cosine":  # the user's metric decides the stopping point
         q_parts["metric"] = {"settings": judge.metric.settings(), "target": judge.target, **(metric_fingerprint(ctx) or {})}
+    through = bool(plan.get("hybrid")) and c.search  # a split model: candidates judged through the rest of it
+    if through:
+        q_parts["through"] = sha256_file(ctx.results["partition"].files["partition"])
 
     def quantize(d: Path) -> StageResult:
         def progress(seg: int):
@@ -294,11 +284,13 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
         # weight-only quantized weights: calibration quantizes float weights, then the model's own codes and scales
         # go back where a layer's weight was quantized per output channel (tasks.woq)
         shipped = _float_weight_segments(segs, d) if weight_only(ctx) else {}
+        rest = Rest(model, plan, ctx.results["partition"].files, [o["name"] for o in ctx.results["export"].details["outputs"]],
+                    judge_feeds_of(cal.feeds, held.feeds if held else None)) if through else None
         r = qdq_for_segments([{**s, "onnx": shipped[s["index"]][0]} if s["index"] in shipped else s for s in segs],
                              lambda i: segment_feeds(model, plan, i, cal.feeds),
                              (lambda i: segment_feeds(model, plan, i, held.feeds)) if held else None, d,
                              method=c.method, precision=p.name, min_cosine=target, progress=progress,
-                             data_max=ctx.cfg.build.fp16_data_max, metric=judge)
+                             data_max=ctx.cfg.build.fp16_data_max, metric=judge, rest=rest)
         if shipped:
             r.details["weight_scales_kept"] = _keep_weight_scales(r, shipped)
         return r
@@ -346,17 +338,18 @@ def metric_fingerprint(ctx: BuildContext) -> dict | None:
 
 
 def search_judge(ctx: BuildContext, segs: list[dict], samples: int | None, stage: str = "calibrate"):
-    """What the accuracy search (int8's in calibrate, fp16's in build) judges with: the user's metric when the one
-    TensorRT segment computes the model's own outputs from its own inputs; else (a model split into segments) the
-    cosine of each segment's outputs, said once. ``samples``: how many judge it (the margin grows below 8; None: the
-    margin as given)."""
+    """What the accuracy search (int8's in calibrate, fp16's in build) judges with: the user's metric when it judges
+    the model's own outputs: int8's always (a segment of a split model is judged through the rest of it), fp16's when
+    the one TensorRT segment computes the model's outputs from its inputs; else (fp16 of a model split into segments)
+    the cosine of each segment's outputs, said once. ``samples``: how many judge it (the margin grows below 8; None:
+    the margin as given)."""
     from tasks.models import graph_io
     from tasks.graph import load_onnx
     from tasks.search import search_target
 
     metric = accuracy_metric(ctx)
     margin = search_target(0.0, ctx.cfg.calibration.budget_margin, samples)  # the share of the error held in reserve
-    if metric.name == "cosine":
+    if metric.name == "cosine" or stage == "calibrate":
         return metric.judge(margin)
     ins, outs = graph_io(load_onnx(segs[0]["onnx"])) if len(segs) == 1 else ([], [])
     model_outs = [o["name"] for o in ctx.results["export"].details["outputs"]]

@@ -32,7 +32,7 @@ from .ort import ort_runner, quiet_python_logging
 from .precision import DATA_MAX, fp16_hazards_from_data
 from .qdq import PRECISIONS, QUANT_OPS, Quantizer
 from .ranges import DEFAULT_METHOD, METHODS, alternative_ranges, ranges_from_feeds, save_ranges
-from .search import JUDGE_CALIBRATION, restore_search
+from .search import JUDGE_CALIBRATION, combined_search_metrics, restore_search
 from .sensitivity import Switchable, local_errors
 from .util import StageResult
 
@@ -83,7 +83,7 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
                   on_sample: Callable[[int, int], None] | None = None,
                   high_precision: str = "fp16",
                   no_layers_ok: bool = False,
-                  data_max: float = DATA_MAX, metric=None) -> StageResult:
+                  data_max: float = DATA_MAX, metric=None, through=None) -> StageResult:
     """Quantize ``fp32_path`` to a Q/DQ graph at ``out_path``, within ``min_cosine`` if given.
 
     ``feeds`` calibrate the ranges (one input dict per sample, shapes may differ); candidates are scored against the
@@ -101,6 +101,10 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
     ``metric`` (tasks/accuracy.SearchJudge, default cosine): what judges a candidate and meets ``min_cosine`` (its
     target, on the metric's scale); the layers are ranked by cosine whatever the metric. With another metric than
     cosine, ``search_score_worst_feed`` is its value on the written graph and ``search_cosine_worst_feed`` its cosine.
+    ``through`` (tasks/segments.Through, for a TensorRT segment of a hybrid model, on the model feeds that correspond to
+    ``judge_feeds_of(feeds, eval_feeds)``): every candidate is judged on the model's outputs, the rest of the model run
+    on the segment's candidate outputs (a native decoding Loop after a backbone turns a small error into another token
+    sequence, which the segment's own outputs do not show); layers are still ranked on the segment's own outputs.
     """
     precision = str(precision).lower()
     choose = method is None and precision == "int8"
@@ -112,10 +116,14 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
     what = metric.label  # the value the search judges by, in words (messages)
     pooled = metric.name == "cosine"  # cosine: pooled less its standard error; another metric: its worst feed
     held_out = bool(eval_feeds)
+    judge_feeds = judge_feeds_of(feeds, eval_feeds)
     eval_feeds = list(eval_feeds) if eval_feeds else list(feeds)
-    judge_feeds = eval_feeds + (list(feeds[:JUDGE_CALIBRATION]) if held_out else [])
     judged = (f"{len(eval_feeds)} held-out and {len(judge_feeds) - len(eval_feeds)} calibration feeds" if held_out else
               f"the {len(eval_feeds)} calibration feeds themselves (none held out)")
+    if through is not None:
+        if len(through.feeds) != len(judge_feeds):
+            raise ValueError(f"through: {len(through.feeds)} model feeds for {len(judge_feeds)} judged segment feeds")
+        judged += ", judged on the model's outputs through the rest of the model"
     fp32_path, out_path = Path(fp32_path), Path(out_path)
     t0 = time.perf_counter()
 
@@ -153,9 +161,13 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
                 f" that the calibration data reaches ({len(unreached)} compute from constants alone)" if unreached
                 else ""), stage=STAGE, file=str(fp32_path), fix="keep this model at fp16/fp32")
 
+        judged_refs, judged_inputs = (through.refs, through.feeds) if through is not None else (ref, judge_feeds)
+
         def score_with(qz: Quantizer, names: list[str]) -> Judged | None:
             outs = qz.outputs(names, judge_feeds)
-            return None if outs is None else Judged.of(outs, ref, judge_feeds, metric, held=len(eval_feeds))
+            if outs is not None and through is not None:
+                outs = [through(k, o) for k, o in enumerate(outs)]
+            return None if outs is None else Judged.of(outs, judged_refs, judged_inputs, metric, held=len(eval_feeds))
 
         def score(names: list[str]) -> Judged:
             return score_with(q, names)  # q: the quantizer of the ranges in use
@@ -173,7 +185,8 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
             if cos_none.bound < min_cosine:
                 raise AccuracyError(
                     f"the {high_precision} graph without any Q/DQ already gives {what} {cos_none.cosine:.8f}"
-                    f"{cos_none.less_se}, below the search's target {min_cosine:.6g} (accuracy.metric={metric.name})",
+                    f"{cos_none.less_se}, below the search's target {min_cosine:.6g} (accuracy.metric={metric.name}; "
+                    f"{judged})",
                     stage=STAGE, file=str(fp32_path),
                     fix=f"relax accuracy.metric={metric.name}'s threshold, or quantize with the rest of the graph in fp32")
             flops = onnx_flops(q.base, {n: list(a.shape) for n, a in eval_feeds[0].items()}, layers)
@@ -181,12 +194,12 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
             local, range_choice = {}, {}
             clock = time.perf_counter()
             # one session: any subset scored by feeding flags
-            scorer = Switchable(q, judge_feeds, ref, JUDGE_Z, None if pooled else metric.value)
+            scorer = Switchable(q, judge_feeds, ref, JUDGE_Z, None if pooled else metric.value, through)
             all_bound, goal = scorer.estimate(layers)[2], float(min_cosine)
             if choose:  # each tensor's range by the error it causes in the layer that reads it (local, cheap)
                 q_local, local, picked = _ranges_by_local_error(q, prepared, rank_feeds)
                 timing["ranges_chosen"] = time.perf_counter() - clock
-                s_local = Switchable(q_local, judge_feeds, ref, JUDGE_Z, None if pooled else metric.value)
+                s_local = Switchable(q_local, judge_feeds, ref, JUDGE_Z, None if pooled else metric.value, through)
                 c_local = s_local.estimate(layers)[2]
                 if c_local > all_bound:  # kept only where the whole model gains (local error is not always global:
                     # layout_cdla all-int8 0.818 with entropy, 0.646 with the locally chosen ranges)
@@ -272,6 +285,8 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
                 "search_statistic": f"pooled cosine less {JUDGE_Z:g} standard error (jackknife over the samples)",
                 "search_timing": timing,  # seconds: ranges chosen by local error, ranking, search, written graph
                 "search_set": judged,
+                "search_judges": "the model's outputs through the rest of the model" if through is not None else
+                                 "this graph's outputs",
                 "cosine_measurable": cos_all is not None,
                 "cosine_high_precision": cos_none.cosine if cos_none else None,  # the graph without Q/DQ (measured when the budget searched)
                 "cosine_note": None if cos_all is not None else f"not measurable with ONNX Runtime CPU: {q.run_error}",
@@ -288,36 +303,37 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
         )
 
 
+def judge_feeds_of(feeds: list, eval_feeds: list | None) -> list:
+    """The feeds that judge the search, in order: the held-out ones and up to ``JUDGE_CALIBRATION`` calibration feeds,
+    or the calibration feeds themselves when none are held out (for a segment's feeds and the model's alike)."""
+    return list(eval_feeds) + list(feeds[:JUDGE_CALIBRATION]) if eval_feeds else list(feeds)
+
+
 def qdq_for_segments(segments: list[dict], feeds_for: Callable[[int], list[Feed]],
                      search_feeds_for: Callable[[int], list[Feed]] | None, out_dir: Path, *, method: str | None,
                      precision: str, min_cosine: float | None,
                      progress: Callable[[int], contextlib.AbstractContextManager] | None = None,
-                     data_max: float = DATA_MAX, metric=None) -> StageResult:
+                     data_max: float = DATA_MAX, metric=None, rest=None) -> StageResult:
     """``qdq_from_onnx`` for each TensorRT segment of a model (``segments``: index, onnx), each on what that segment
     sees of the calibration and search samples; the layer counts summed, each search cosine the lowest segment's
     (absent when no segment measured it), and the sensitivity report of all. A segment without a layer to quantize
-    (one of several) is written at the high precision; a model with none at all is refused."""
+    (one of several) is written at the high precision; a model with none at all is refused. ``rest``
+    (tasks/segments.Rest on the model feeds ``judge_feeds_of`` picks from the model's calibration and search samples):
+    each segment's candidates are judged through the rest of the model, on its outputs (``qdq_from_onnx``)."""
     from .report import sensitivity_report
 
-    files, metrics, details = {}, {"quantized_layers": 0, "fallback_layers": 0}, []
+    files, per_segment, details = {}, [], []
     for s in segments:
         i = s["index"]
         with (progress(i) if progress else contextlib.nullcontext()) as on_sample:
             r = qdq_from_onnx(s["onnx"], feeds_for(i), out_dir / f"qdq{i}.onnx", method=method, precision=precision,
                               min_cosine=min_cosine, eval_feeds=search_feeds_for(i) if search_feeds_for else None,
                               workdir=out_dir / f"work{i}", on_sample=on_sample, no_layers_ok=len(segments) > 1,
-                              data_max=data_max, metric=metric)
+                              data_max=data_max, metric=metric, through=rest.after(i) if rest is not None else None)
         files[f"qdq{i}"] = r.files["onnx"]
-        for k in ("quantized_layers", "fallback_layers"):
-            metrics[k] += r.metrics[k]
-        for k in ("search_cosine", "search_cosine_bound", "search_cosine_worst_feed", "search_cosine_all_quantized",
-                  "search_score_worst_feed", "search_score_all_quantized"):  # absent when not measured
-            if k in r.metrics:
-                metrics[k] = min(metrics.get(k, 1.0), r.metrics[k])
-        metrics.update(calibration_samples=r.metrics["calibration_samples"], search_samples=r.metrics["search_samples"])
-        if "search_metric" in r.metrics:
-            metrics["search_metric"] = r.metrics["search_metric"]
+        per_segment.append(r.metrics)
         details.append({"segment": i, **r.details})
+    metrics = combined_search_metrics(per_segment)
     if not metrics["quantized_layers"] + metrics["fallback_layers"]:
         raise StageError("no TensorRT segment of the model has a Conv/ConvTranspose/MatMul/Gemm node to quantize",
                          stage=STAGE, fix="keep this model at fp16/fp32")

@@ -250,3 +250,19 @@ def fp16_within_budget(fp32_path: Path, out_path: Path, feeds: list[Feed], targe
     metrics.update(search_cosine_worst_feed=final.worst, fallback_layers=len(chosen_kept), search_runs=judge.runs,
                    search_seconds=time.perf_counter() - t0)
     return StageResult(files={"onnx": out_path}, metrics=metrics, details={**stats, "fp16_search": details})
+
+
+def searched_segments(convs: dict[int, StageResult], out_dir: Path) -> StageResult:
+    """The fp16 search over a model's TensorRT segments (``convs``: segment index -> ``fp16_within_budget``'s or a plain
+    conversion's result): its figures under the int8 search's names, combined as int8's are
+    (``tasks.search.combined_search_metrics``: the lowest segment's cosine), and one sensitivity report of the segments
+    it searched; empty when it searched none."""
+    from .report import sensitivity_report
+    from .search import combined_search_metrics
+
+    searched = [(i, c) for i, c in convs.items() if "fp16_search" in c.details]
+    if not searched:
+        return StageResult(files={}, metrics={})
+    return StageResult(metrics=combined_search_metrics([c.metrics for _, c in searched]), files=sensitivity_report([
+        {"segment": i, "method": "fp16 accuracy search (nodes ranked by error growth)", "precision": "fp16",
+         "fallback": list(c.details["fp16_search"]["kept"]), **c.details["fp16_search"]} for i, c in searched], out_dir))

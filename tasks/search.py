@@ -78,3 +78,27 @@ def restore_search(layers: list[str], meets: Callable[[list[str]], bool], harm: 
         if ok(restored - {n}):
             restored.discard(n)
     return [n for n in layers if n not in restored], runs
+
+
+SUMMED = ("quantized_layers", "fallback_layers", "search_runs")  # counts over a model's segments
+LARGEST = ("search_samples", "calibration_samples", "search_cosine_se")  # the same sets (or the widest error)
+LOWEST = ("search_cosine", "search_cosine_bound", "search_cosine_worst_feed", "search_cosine_all_quantized",
+          "search_cosine_fp16", "search_score_worst_feed", "search_score_all_quantized", "search_score_fp16")
+
+
+def combined_search_metrics(per_segment: list[dict]) -> dict:
+    """One figure per search metric over a model's TensorRT segments (int8's calibrate and fp16's build alike): layer
+    and run counts summed, sample counts and the standard error the largest, every figure of accuracy the lowest
+    segment's, ``search_metric`` as named; a metric no segment measured stays absent."""
+    out: dict = {}
+    for m in per_segment:
+        for k, v in m.items():
+            if k in SUMMED:
+                out[k] = out.get(k, 0) + v
+            elif k in LARGEST:
+                out[k] = max(out.get(k, v), v)
+            elif k in LOWEST:
+                out[k] = min(out.get(k, v), v)
+            elif k == "search_metric":
+                out[k] = v
+    return out

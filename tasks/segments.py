@@ -302,3 +302,66 @@ def composed_runner(plan: dict, graph_outputs: list[str], runner_for: Callable[[
     if plan.get("hybrid"):
         return Composed(plan["segments"], graph_outputs, runner_for)
     return runner_for({"kind": "trt", "index": 0})
+
+
+def downstream_of(plan: dict, segment: int) -> list[dict]:
+    """The segments of a hybrid plan that read ``segment``'s outputs, directly or through other segments, in the plan's
+    (topological) order: what must run again when that segment's outputs change."""
+    changed = set(next(s for s in plan["segments"] if s["index"] == segment)["outputs"])
+    out = []
+    for s in plan["segments"]:
+        if s["index"] != segment and changed & set(s["inputs"]):
+            out.append(s)
+            changed |= set(s["outputs"])
+    return out
+
+
+class Rest:
+    """The rest of a hybrid model around each of its TensorRT segments, on a fixed set of model feeds: a segment's
+    candidate outputs in, the model's own outputs out. Everything a candidate does not change is computed once, by one
+    fp32 run of the model per feed exposing every boundary tensor (``captures``); a candidate then runs only the
+    segments downstream of its own (``downstream_of``), composed as validate composes them (``Composed``): native
+    segments in ONNX Runtime, other TensorRT segments by ``runner_for`` (default: their fp32 graphs in ONNX Runtime;
+    each segment's candidate is judged by the error it adds alone). ``refs``: the model's fp32 outputs per feed."""
+
+    def __init__(self, model_path: Path, plan: dict, plan_files: dict, graph_outputs: list[str],
+                 feeds: list[dict[str, np.ndarray]], runner_for: Callable[[dict], Callable] | None = None):
+        import onnx
+
+        from .ort import ort_runner
+
+        self.plan, self.graph_outputs, self.feeds = plan, list(graph_outputs), list(feeds)
+        names = list(dict.fromkeys([n for s in plan["segments"] for n in (*s["inputs"], *s["outputs"])]
+                                   + self.graph_outputs))
+        self.captures = run_with_intermediates(onnx.load(str(model_path)), names, self.feeds)
+        self.refs = [{o: c[o] for o in self.graph_outputs} for c in self.captures]
+        self._runners: dict[int, Callable] = {}
+        self._runner_for = runner_for or (lambda s: ort_runner(plan_files[f"segment{s['index']}"], arena=False))
+
+    def runner(self, seg: dict) -> Callable:
+        if seg["index"] not in self._runners:  # one session per segment, shared by every TensorRT segment's search
+            self._runners[seg["index"]] = self._runner_for(seg)
+        return self._runners[seg["index"]]
+
+    def after(self, segment: int) -> "Through":
+        """The model's outputs from ``segment``'s candidate outputs on feed k: ``Through(k, outputs)``."""
+        return Through(self, Composed(downstream_of(self.plan, segment), self.graph_outputs, self.runner))
+
+
+class Through:
+    """One TensorRT segment's view of ``Rest``: ``self(k, outputs)`` is the model's outputs on ``feeds[k]`` with the
+    segment's outputs replaced by ``outputs``; ``feeds`` and ``refs`` are the model's inputs and fp32 outputs. A
+    candidate whose outputs the rest of the model cannot run on (ONNX Runtime fails) gets non-finite outputs, which
+    every metric fails."""
+
+    def __init__(self, rest: Rest, composed: Composed):
+        self.rest, self.composed = rest, composed
+        self.feeds, self.refs = rest.feeds, rest.refs
+
+    def __call__(self, k: int, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from .errors import StageError
+
+        try:
+            return self.composed({**self.rest.captures[k], **outputs})
+        except StageError:
+            return {n: np.full(np.shape(r), np.nan, np.float32) for n, r in self.refs[k].items()}

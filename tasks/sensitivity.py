@@ -42,7 +42,7 @@ class Switchable:
     """Scores any subset of ``q.layers`` quantized (the rest at ``q.high_precision``, as written) on ``feeds`` against
     ``refs`` with one session."""
 
-    def __init__(self, q, feeds: list[dict], refs: list[dict], z: float = 1.0, judge=None):
+    def __init__(self, q, feeds: list[dict], refs: list[dict], z: float = 1.0, judge=None, through=None):
         full = q.qdq(q.layers)  # every layer quantized (fp32; the fp16 remainder is made below)
         m = onnx.ModelProto()
         m.CopyFrom(full)
@@ -70,37 +70,40 @@ class Switchable:
             m = _fp16_emulated(m, q)
         self.session = ort_session(m.SerializeToString(), stage=STAGE)
         self.feeds, self.refs, self.z = feeds, refs, z
+        # a segment of a hybrid model (tasks/segments.Through): candidates are judged on the model's outputs, the rest of
+        # the model run on the segment's outputs (feed k of ``feeds`` is the model's feed k, ``refs`` its fp32 outputs)
+        self.through = through
+        self.judged_feeds = through.feeds if through is not None else feeds  # what a metric is given as the inputs
+        self.judged_refs = through.refs if through is not None else refs
         # another accuracy metric's value of one feed, higher is better (tasks/accuracy.SearchJudge.value): judged on
         # the worst feed; None: the pooled cosine less z standard errors
         self.judge = judge
         self.runs = 0  # whole-model runs (one feed each)
-        self._norms = output_norms(refs)
+        self._norms = output_norms(self.judged_refs)
         self._miss: dict[int, float] = {}  # per feed: the largest error share it showed (the hardest run first)
         self.last: tuple[float, float, float] | None = None  # (cosine, standard error, bound) of the last full judgement
 
     def cosines(self, names, feeds: list[dict] | None = None, refs: list[dict] | None = None) -> list[float]:
-        """Per feed: the lowest cosine of any output to its reference with exactly ``names`` quantized."""
+        """Per feed (default: the search feeds): the lowest cosine of any of the graph's own outputs to its reference
+        with exactly ``names`` quantized (never through the rest of a hybrid model: the search's ranking)."""
         on = set(names)
         return [min(cosine(got[k], r[k]) for k in r) for got, r in
                 ((self._run(on, f), r) for f, r in zip(feeds or self.feeds, refs or self.refs))]
 
-    def values(self, names, feeds: list[dict] | None = None, refs: list[dict] | None = None) -> list[float]:
-        """Per feed: the accuracy metric's value (``judge``; cosine without one) with exactly ``names`` quantized."""
-        feeds, refs, on = feeds or self.feeds, refs or self.refs, set(names)
-        if self.judge is None:
-            return self.cosines(names, feeds, refs)
-        return [self.judge(self._run(on, f), r, f) for f, r in zip(feeds, refs)]
+    def outputs(self, names) -> list[dict]:
+        """Per search feed, what is judged with exactly ``names`` quantized: the graph's outputs, or through the rest of
+        a hybrid model the model's."""
+        return [self._judged(set(names), k) for k in range(len(self.feeds))]
 
     def estimate(self, names) -> tuple[float, float, float]:
         """(figure, standard error, bound) on every search feed: the pooled cosine (``tasks.metrics.pooled_estimate``),
         or another metric's worst feed (no standard error)."""
-        on = set(names)
+        outs = self.outputs(names)
         if self.judge is not None:
-            w = min(self.values(names), default=1.0)
+            w = min((self.judge(o, r, f) for o, r, f in zip(outs, self.judged_refs, self.judged_feeds)), default=1.0)
             self.last = (w, 0.0, w)
         else:
-            self.last = pooled_estimate([pooled_sums(r, self._run(on, f)) for f, r in zip(self.feeds, self.refs)],
-                                        self.z)
+            self.last = pooled_estimate([pooled_sums(r, o) for o, r in zip(outs, self.judged_refs)], self.z)
         return self.last
 
     def meets(self, names, target: float) -> bool:
@@ -109,12 +112,16 @@ class Switchable:
         refused as soon as the feeds run so far prove it cannot reach ``target`` even pooled alone (their error
         orthogonal to the reference already exceeds what the whole set allows; another metric: the first feed below):
         most failing candidates are judged in a run or two."""
-        on = set(names)
-        ok, last = meets_target(lambda f: self._run(on, f), self.feeds, self.refs, target, self._miss, self._norms,
-                                self.z, self.judge)
+        on, at = set(names), {id(f): k for k, f in enumerate(self.judged_feeds)}
+        ok, last = meets_target(lambda f: self._judged(on, at[id(f)]), self.judged_feeds, self.judged_refs, target,
+                                self._miss, self._norms, self.z, self.judge)
         if last is not None:
             self.last = last
         return ok
+
+    def _judged(self, on: set, k: int) -> dict:
+        out = self._run(on, self.feeds[k])
+        return out if self.through is None else self.through(k, out)
 
     def _run(self, on: set, feed: dict) -> dict:
         flags = {f: np.array(n in on) for n, f in self.flags.items()}

@@ -363,3 +363,34 @@ def test_every_segments_feeds_come_from_one_run(hybrid_onnx, tmp_path):
         for a, b in zip(every[i], one):
             for k in a:
                 np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_the_rest_of_the_model_after_a_segment_runs_only_what_reads_it(hybrid_onnx, tmp_path):
+    """tasks.segments.Rest (the int8 search's judge of a hybrid model): fed a TensorRT segment's own fp32 outputs, the
+    rest of the model gives the model's fp32 outputs; fed changed outputs, only the segments downstream of it run
+    again, so a change shows in the model's outputs exactly where validate's composition would show it."""
+    from tasks.ort import ort_runner
+    from tasks.segments import Composed, Rest, downstream_of
+
+    r = plan(hybrid_onnx, tmp_path)
+    feeds = [{"x": np.random.default_rng(i).standard_normal((2, 3, 16, 16)).astype(np.float32)} for i in range(2)]
+    segs = r.details["segments"]
+    first = next(s for s in segs if s["kind"] == "trt")
+    later = downstream_of(r.details, first["index"])
+    assert later and all(s["index"] > first["index"] for s in later)
+    rest = Rest(hybrid_onnx, r.details, r.files, ["y"], feeds)
+    composed = Composed(segs, ["y"], lambda s: ort_runner(r.files[f"segment{s['index']}"]))
+    through = rest.after(first["index"])
+    run_first = ort_runner(r.files[f"segment{first['index']}"])
+    for k, f in enumerate(feeds):
+        np.testing.assert_allclose(rest.refs[k]["y"], composed(f)["y"], rtol=1e-5, atol=1e-5)
+        outs = run_first({n: rest.captures[k][n] for n in first["inputs"]})
+        np.testing.assert_allclose(through(k, outs)["y"], rest.refs[k]["y"], rtol=1e-5, atol=1e-5)
+        changed = {n: v * 0.5 for n, v in outs.items()}
+        env = dict(f)
+        for s in segs:  # validate's composition with the segment's outputs replaced
+            got = changed if s["index"] == first["index"] else ort_runner(r.files[f"segment{s['index']}"])(
+                {n: env[n] for n in s["inputs"]})
+            env.update(got)
+        np.testing.assert_allclose(through(k, changed)["y"], env["y"], rtol=1e-5, atol=1e-5)
+        assert not np.allclose(env["y"], rest.refs[k]["y"])  # the change reaches the output

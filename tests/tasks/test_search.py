@@ -49,3 +49,19 @@ def test_the_margin_grows_when_few_samples_judge():
     assert search_target(0.99, 0.25, 8) == pytest.approx(0.9925) == search_target(0.99, 0.25, 24)
     assert search_target(0.99, 0.25, 2) == pytest.approx(0.995)  # 0.25 x sqrt(8 / 2)
     assert search_target(0.99, 0.9, 1) == pytest.approx(1.0)  # at most the whole allowed error
+
+
+def test_a_models_segments_combine_into_one_figure_per_search_metric():
+    """int8's calibrate and fp16's build report a search over several TensorRT segments the same way: counts summed,
+    sample counts and the standard error the largest, figures of accuracy the lowest segment's, absent ones absent."""
+    from tasks.search import combined_search_metrics
+
+    got = combined_search_metrics([
+        {"quantized_layers": 3, "fallback_layers": 1, "search_runs": 5, "search_samples": 9, "search_cosine": 0.999,
+         "search_cosine_se": 0.001, "search_seconds": 4.0},
+        {"quantized_layers": 0, "fallback_layers": 2, "search_runs": 2, "search_samples": 9, "search_cosine": 0.995,
+         "search_cosine_se": 0.002, "search_cosine_worst_feed": 0.99, "search_metric": "top1"}])
+    assert got == {"quantized_layers": 3, "fallback_layers": 3, "search_runs": 7, "search_samples": 9,
+                   "search_cosine": 0.995, "search_cosine_se": 0.002, "search_cosine_worst_feed": 0.99,
+                   "search_metric": "top1"}
+    assert combined_search_metrics([]) == {}
