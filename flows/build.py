@@ -69,7 +69,9 @@ def run_name() -> str:
 
 @task(name="track", cache_policy=NONE, persist_result=False, retries=2, retry_delay_seconds=2)
 def track(**kwargs: Any) -> dict:
-    return tracker.call("log_build", **kwargs)  # in the build's tracker process, where MLflow loaded meanwhile
+    # in the build's tracker process, where MLflow loaded meanwhile; the run is owned by this process (a run it leaves
+    # RUNNING when killed is ended by the next build once this pid is gone)
+    return tracker.call("log_build", pid=os.getpid(), **kwargs)
 
 
 def end_run(run_id: str, ok: bool, failure: BaseException | None = None) -> None:

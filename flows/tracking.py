@@ -260,7 +260,7 @@ def failure_text(failure: BaseException | str) -> str:
 
 def log_build(*, experiment: str, summary: dict, params: dict[str, str], resolved_yaml: str, out_dir: Path,
               engine_files: list[Path], versions: dict[str, str], build_id: str, provenance: dict[str, str],
-              tolerance: float | None = None, started: float | None = None) -> dict[str, str]:
+              tolerance: float | None = None, started: float | None = None, pid: int | None = None) -> dict[str, str]:
     """Log a finished build as a run that spans it: created with the build's start time (`started`, epoch seconds).
     Everything is logged first, then the engines are registered; the caller publishes the result and then ends the
     run (`end_run`: the `status` tag and FINISHED/FAILED with the build's end time), so a run is never `ok` or FINISHED
@@ -277,7 +277,9 @@ def log_build(*, experiment: str, summary: dict, params: dict[str, str], resolve
     name = f"{summary['model']}-{summary['target']}-{summary['precision']}"
     ok = summary["status"] == "ok"
     now_ms = lambda: int(time.time() * 1000)  # noqa: E731
-    owner = {"trtforge.build_id": build_id, "trtforge.pid": str(os.getpid()), "trtforge.host": socket.gethostname(),
+    # the build's process (`pid`: the caller's when another process logs for it, flows/local/tracker.py): a run it
+    # leaves RUNNING is an orphan once that process is gone (end_orphans)
+    owner = {"trtforge.build_id": build_id, "trtforge.pid": str(pid or os.getpid()), "trtforge.host": socket.gethostname(),
              "trtforge.heartbeat": str(now_ms())}
     again = c.search_runs([exp.experiment_id], f"tags.`trtforge.build_id` = '{build_id}'", max_results=1)
     if again:
