@@ -49,3 +49,46 @@ def test_the_margin_grows_when_few_samples_judge():
     assert search_target(0.99, 0.25, 8) == pytest.approx(0.9925) == search_target(0.99, 0.25, 24)
     assert search_target(0.99, 0.25, 2) == pytest.approx(0.995)  # 0.25 x sqrt(8 / 2)
     assert search_target(0.99, 0.9, 1) == pytest.approx(1.0)  # at most the whole allowed error
+
+
+def test_screened_refinement_takes_back_as_much_in_fewer_judgements():
+    # 20 big layers the ranking overrates (harm 1.0, real loss 0.00009): the binary search restores them all (and 7
+    # of the 10 small ones that do cost 0.003 each); the refinement takes 11 big ones back. One by one that is 20 whole
+    # judgements; screened (each one's loss on top of the boundary, measured cheaply), a few decide
+    losses = {f"big{i}": 0.00009 for i in range(20)} | {f"s{i}": 0.003 for i in range(10)}
+    harm = {n: (1.0 if n.startswith("big") else v) for n, v in losses.items()}
+    flops = {n: (100.0 + i if n.startswith("big") else 1.0) for i, n in enumerate(losses)}
+    budget = 0.01
+
+    def run(screened: bool):
+        meets, calls = additive(losses, budget)
+        screens = []
+
+        def screen(base, cands):
+            screens.append(len(cands))
+            return {n: losses[n] for n in cands}
+
+        def slack():  # the margin of the last met judgement (the caller records it)
+            met = [c for c in calls if sum(losses[n] for n in c) <= budget + 1e-12]
+            return budget - sum(losses[n] for n in met[-1])
+
+        chosen, runs = restore_search(list(losses), meets, harm, flops,
+                                      screen=screen if screened else None, slack=slack)
+        assert sum(losses[n] for n in chosen) <= budget + 1e-12  # every choice is a met judgement
+        return chosen, runs, screens
+
+    one_by_one, runs_one, _ = run(False)
+    screened, runs_screened, screens = run(True)
+    share = lambda names: sum(flops[n] for n in names)  # noqa: E731
+    assert screens == [20]  # one screening of the 20 restored big layers
+    assert share(screened) >= share(one_by_one) and runs_screened <= runs_one // 2, (runs_screened, runs_one)
+
+
+def test_screened_refinement_with_a_misleading_screen_still_meets_the_budget():
+    losses = {f"l{i}": 0.001 * (1 + i % 3) for i in range(16)}
+    harm = {n: 0.02 for n in losses}  # everything looks equally bad: all restored
+    flops = {n: 10.0 for n in losses}
+    meets, calls = additive(losses, 0.006)
+    chosen, runs = restore_search(list(losses), meets, harm, flops, screen=lambda base, c: {n: 0.0 for n in c},
+                                  slack=lambda: 0.5)  # the screen sees no loss, the slack is huge: every guess is wrong
+    assert sum(losses[n] for n in chosen) <= 0.006 + 1e-12 and chosen
