@@ -205,6 +205,8 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
                 met: list[float] = []  # the bound of each candidate met, the last one's margin guides the refinement
 
                 def meets(names: list[str]) -> bool:
+                    if len(names) == len(layers):  # every layer quantized: judged above, short of the target
+                        return False
                     ok = scorer.meets(names, goal)
                     if ok and scorer.last is not None:
                         met.append(scorer.last[2])
