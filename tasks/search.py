@@ -53,9 +53,8 @@ def restore_search(layers: list[str], meets: Callable[[list[str]], bool], harm: 
     24 judgements of 14 pages, two thirds of the search's runs). With ``screen`` (quantized layers, candidates ->
     {candidate: the accuracy lost by quantizing it alone on top of them}, measured cheaply: one run of one sample
     each) the candidates are re-ranked by that loss per FLOP in the configuration the binary search found, and the
-    longest prefix of that order that ``meets`` the budget is found by binary search, its first probe the prefix
-    whose losses add up to ``slack()`` (the last met judgement's margin above the target); then the candidates
-    left, least loss first, are tried back one by one until one fails. Every layer taken back is confirmed by a
+    greedy pass over that order judges runs of candidates together (galloping, the first probe the run whose losses
+    add up to ``slack()``, the last met judgement's margin above the target). Every layer taken back is confirmed by a
     whole judgement, so the budget holds as before; fewer judgements decide."""
     flops = flops or {}
     order = sorted(layers, key=lambda n: -harm.get(n, 0.0) / max(flops.get(n) or 1.0, 1.0))
@@ -94,35 +93,46 @@ def restore_search(layers: list[str], meets: Callable[[list[str]], bool], harm: 
     margin = slack() if slack is not None and hi < len(order) else None  # prefix(hi) was the last met judgement
     loss = screen([n for n in layers if n not in restored], big)
     cand = sorted(big, key=lambda n: max(loss.get(n, 0.0), 0.0) / max(flops.get(n) or 1.0, 1.0))
-    met: dict[int, bool] = {0: True}
-
-    def back(k: int) -> bool:  # the first k candidates quantized back together
-        if k not in met:
-            met[k] = ok(restored - set(cand[:k]))
-        return met[k]
-
-    guess, spent = 0, 0.0
+    guess, spent = 0, 0.0  # how many of the first candidates the margin seems to afford
     if margin is not None and margin > 0:
         for n in cand:
             spent += max(loss.get(n, 0.0), 0.0)
             if spent > margin:
                 break
             guess += 1
-    lo, hi = 0, len(cand) + 1  # back(lo) meets; back(hi) is taken to fail
-    if 0 < guess <= len(cand):
-        if back(guess):
-            lo = guess
+    # the one-by-one greedy pass over ``cand`` (each taken back when it meets on top of those taken before), judged
+    # in runs of candidates: the longest run that meets together is found by galloping (1, 2, 4, ... or the guess
+    # first) and a binary search, the candidate after it (which failed on top of it) is skipped. Where every candidate
+    # fails this costs one judgement each, as one by one; where long runs meet, a few judgements take them back.
+    i, first = 0, max(guess, 1)
+    while i < len(cand):
+        rest = cand[i:]
+
+        def back(k: int) -> bool:
+            return ok(restored - set(rest[:k]))
+
+        k = min(first, len(rest))
+        first = 1
+        if back(k):
+            lo, hi = k, None
+            while lo < len(rest):
+                k = min(2 * lo, len(rest))
+                if back(k):
+                    lo = k
+                else:
+                    hi = k
+                    break
+            if hi is None:  # every candidate left meets together
+                restored -= set(rest)
+                break
         else:
-            hi = guess
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if back(mid):
-            lo = mid
-        else:
-            hi = mid
-    restored -= set(cand[:lo])
-    for n in sorted(cand[lo + 1:], key=lambda n: loss.get(n, 0.0)):  # cand[lo] failed with the prefix
-        if not ok(restored - {n}):
-            break
-        restored.discard(n)
+            lo, hi = 0, k
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if back(mid):
+                lo = mid
+            else:
+                hi = mid
+        restored -= set(rest[:lo])
+        i += lo + 1  # rest[lo] fails on top of rest[:lo]
     return [n for n in layers if n not in restored], runs
