@@ -215,7 +215,23 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
                 harm = {n: min(scorer.cosines([m for m in layers if m != n], rank_feeds[:HARM_FEEDS], rank_refs)) - base
                         for n in layers}  # the gain of restoring each layer alone in the all-int8 graph
                 timing["ranking"] = time.perf_counter() - clock - sum(timing.values())
-                chosen, _ = restore_search(layers, lambda names: scorer.meets(names, goal), harm, flops)
+                met: list[float] = []  # the bound of each candidate met, the last one's margin guides the refinement
+
+                def meets(names: list[str]) -> bool:
+                    if len(names) == len(layers):  # every layer quantized: judged above, short of the target
+                        return False
+                    ok = scorer.meets(names, goal)
+                    if ok and scorer.last is not None:
+                        met.append(scorer.last[2])
+                    return ok
+
+                def screen(base: list[str], candidates: list[str]) -> dict[str, float]:
+                    at = min(scorer.cosines(base, rank_feeds[:HARM_FEEDS], rank_refs))
+                    return {n: at - min(scorer.cosines([*base, n], rank_feeds[:HARM_FEEDS], rank_refs))
+                            for n in candidates}  # the loss of quantizing each alone on top of base, same page
+
+                chosen, _ = restore_search(layers, meets, harm, flops, screen=screen,
+                                           slack=lambda: met[-1] - goal if met else None)
                 sensitivity = [{"node": n, "op": q.ops.get(n), "flops": flops.get(n), "restore_gain": harm[n]}
                                for n in layers]
             timing["search"] = time.perf_counter() - clock - sum(timing.values())

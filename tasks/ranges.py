@@ -126,8 +126,11 @@ def _histogram_collector(cal):
             tiny = np.finfo(np.float32).tiny * 2 * self.num_bins  # below this |x| is no range at all: all zeros
             for name, arrs in name_to_arr.items():
                 for a in (arrs if isinstance(arrs, list) else [arrs]):
-                    a = np.abs(np.ravel(a))
-                    amax = float(np.nanmax(a)) if a.size else 0.0
+                    a = np.abs(np.ravel(a))  # a copy: _add may scale it in place
+                    amax = float(a.max()) if a.size else 0.0
+                    if amax != amax:  # NaN somewhere (max propagates it): the range of the other values
+                        a = a[~np.isnan(a)]
+                        amax = float(a.max()) if a.size else 0.0
                     if amax < tiny:
                         a, amax = np.zeros(1, np.float32), 0.0
                     self._add(name, a, amax)
@@ -152,8 +155,16 @@ def _histogram_collector(cal):
                     edges = np.concatenate([edges, more.astype(np.float32)])
                     hist = np.concatenate([hist, np.zeros(more.size, np.int64)])
             width = float(edges[1] - edges[0])
-            idx = np.minimum((a / width).astype(np.int64, copy=False), hist.size - 1)
-            hist = hist + np.bincount(idx[idx >= 0], minlength=hist.size)[: hist.size]
+            # the bin of each |x| (x / width truncated, the last bin holding what lies beyond it), scaled in place and
+            # clipped before the integer cast: two passes over the tensor fewer than computing it in int64
+            if a.dtype == np.float32:
+                np.divide(a, np.float32(width), out=a)
+                np.minimum(a, np.float32(hist.size - 1), out=a)
+                idx = a.astype(np.intp)
+            else:
+                idx = np.minimum((a / width).astype(np.int64, copy=False), hist.size - 1)
+                idx = idx[idx >= 0]
+            hist = hist + np.bincount(idx, minlength=hist.size)[: hist.size]
             self.histogram_dict[name] = (hist, edges, np.float32(min(lo, amax)), np.float32(max(hi, amax)))
 
     return AbsHistogram(method=cal.method, symmetric=cal.symmetric, num_bins=cal.num_bins,

@@ -65,3 +65,61 @@ def test_a_models_segments_combine_into_one_figure_per_search_metric():
                    "search_cosine": 0.995, "search_cosine_se": 0.002, "search_cosine_worst_feed": 0.99,
                    "search_metric": "top1"}
     assert combined_search_metrics([]) == {}
+
+
+def test_screened_refinement_takes_back_as_much_in_fewer_judgements():
+    # 20 big layers the ranking overrates (harm 1.0, real loss 0.00009): the binary search restores them all (and 7
+    # of the 10 small ones that do cost 0.003 each); the refinement takes 11 big ones back. One by one that is 20 whole
+    # judgements; screened (each one's loss on top of the boundary, measured cheaply), fewer
+    losses = {f"big{i}": 0.00009 for i in range(20)} | {f"s{i}": 0.003 for i in range(10)}
+    harm = {n: (1.0 if n.startswith("big") else v) for n, v in losses.items()}
+    flops = {n: (100.0 + i if n.startswith("big") else 1.0) for i, n in enumerate(losses)}
+    budget = 0.01
+
+    def run(screened: bool):
+        meets, calls = additive(losses, budget)
+        screens = []
+
+        def screen(base, cands):
+            screens.append(len(cands))
+            return {n: losses[n] for n in cands}
+
+        def slack():  # the margin of the last met judgement (the caller records it)
+            met = [c for c in calls if sum(losses[n] for n in c) <= budget + 1e-12]
+            return budget - sum(losses[n] for n in met[-1])
+
+        chosen, runs = restore_search(list(losses), meets, harm, flops,
+                                      screen=screen if screened else None, slack=slack)
+        assert sum(losses[n] for n in chosen) <= budget + 1e-12  # every choice is a met judgement
+        return chosen, runs, screens
+
+    one_by_one, runs_one, _ = run(False)
+    screened, runs_screened, screens = run(True)
+    share = lambda names: sum(flops[n] for n in names)  # noqa: E731
+    assert screens == [20]  # one screening of the 20 restored big layers
+    # the same greedy pass in another order: as many FLOPs back; the 11 that fit taken back in a few judgements, each
+    # of the 9 that do not costs one, as one by one
+    assert share(screened) >= share(one_by_one) and runs_screened < runs_one, (runs_screened, runs_one)
+
+
+def test_screened_refinement_with_a_misleading_screen_still_meets_the_budget():
+    losses = {f"l{i}": 0.001 * (1 + i % 3) for i in range(16)}
+    harm = {n: 0.02 for n in losses}  # everything looks equally bad: all restored
+    flops = {n: 10.0 for n in losses}
+    meets, calls = additive(losses, 0.006)
+    chosen, runs = restore_search(list(losses), meets, harm, flops, screen=lambda base, c: {n: 0.0 for n in c},
+                                  slack=lambda: 0.5)  # the screen sees no loss, the slack is huge: every guess is wrong
+    assert sum(losses[n] for n in chosen) <= 0.006 + 1e-12 and chosen
+
+
+def test_candidates_the_screen_misjudges_do_not_stop_the_others():
+    # the screen ranks 'bad' and 'bad2' first (it sees no loss), but quantizing either breaks the budget: the others
+    # still come back (each candidate has its judgement, as one by one)
+    losses = {"bad": 0.02, "bad2": 0.02} | {f"b{i}": 0.0002 for i in range(8)} | {"s": 0.012}
+    harm = {n: 1.0 for n in losses} | {"s": 0.9}  # per FLOP: the big ones are restored before 's'
+    flops = {n: 100.0 for n in losses} | {"bad": 101.0, "s": 1.0}
+    meets, _ = additive(losses, 0.012)
+    chosen, runs = restore_search(list(losses), meets, harm, flops,
+                                  screen=lambda base, c: {n: (0.0 if n.startswith("bad") else losses[n]) for n in c},
+                                  slack=lambda: 0.004)
+    assert "bad" not in chosen and "bad2" not in chosen and all(f"b{i}" in chosen for i in range(8)), chosen

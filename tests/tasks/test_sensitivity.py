@@ -1,0 +1,70 @@
+"""The search's switchable session (tasks/sensitivity.Switchable) made cheaper without computing anything else: its
+switches are If nodes whose quantizing branch holds the layer's Q/DQ, and the fp16 rounding of values that ops only
+select (Where, Relu, Clip, Concat, ...) is left out. It must still score exactly the graph that is written."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from tasks.emulate import precision_runner
+from tasks.ort import ort_runner
+from tasks.qdq import Quantizer
+from tasks.ranges import ranges_from_feeds
+
+
+def _model(path):
+    """Conv -> Relu -> Conv -> Clip, a residual Add of the two branches, Concat, a 1x1 Conv: what the rounding and
+    switch rewrites meet in CNNs like PP-OCRv4 det (HardSwish's Clip, ReLU, residual adds, FPN concats)."""
+    rng = np.random.default_rng(0)
+    w = {f"w{i}": numpy_helper.from_array((rng.standard_normal(s) * 0.3).astype(np.float32), f"w{i}")
+         for i, s in enumerate([(8, 3, 3, 3), (8, 8, 3, 3), (4, 16, 1, 1)])}
+    lo = numpy_helper.from_array(np.array(0.0, np.float32), "lo")
+    hi = numpy_helper.from_array(np.array(2.5, np.float32), "hi")
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["c0"], pads=[1, 1, 1, 1], name="conv0"),
+             helper.make_node("Relu", ["c0"], ["r0"], name="relu0"),
+             helper.make_node("Conv", ["r0", "w1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+             helper.make_node("Clip", ["c1", "lo", "hi"], ["k1"], name="clip1"),
+             helper.make_node("Add", ["k1", "r0"], ["a1"], name="add1"),
+             helper.make_node("Concat", ["a1", "r0"], ["cat"], axis=1, name="cat"),
+             helper.make_node("Conv", ["cat", "w2"], ["y"], name="conv2")]
+    graph = helper.make_graph(nodes, "switch", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 12, 12])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 12, 12])],
+                              [*w.values(), lo, hi])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    m.ir_version = 9
+    onnx.save(m, str(path))
+    return path
+
+
+@pytest.mark.parametrize("high", ["fp16", "fp32"])
+def test_the_switchable_session_computes_the_written_graph(tmp_path, high):
+    from tasks.sensitivity import Switchable
+
+    path = _model(tmp_path / "m.onnx")
+    rng = np.random.default_rng(1)
+    feeds = [{"x": rng.standard_normal((1, 3, 12, 12)).astype(np.float32) * s} for s in (1.0, 3.0)]
+    ranges, _ = ranges_from_feeds(path, feeds, "minmax", tmp_path)
+    q = Quantizer(path, ranges, "int8", high)
+    run = ort_runner(path)
+    s = Switchable(q, feeds, [run(f) for f in feeds])
+    g = s.model.graph
+    ops = [n.op_type for n in g.node]
+    assert "Where" not in ops and ops.count("If") >= len(s.layers)  # one switch per quantized input
+    inside = [x.op_type for n in g.node if n.op_type == "If" for a in n.attribute if a.name == "then_branch"
+              for x in a.g.node]
+    assert "QuantizeLinear" in inside  # a layer's activation Q/DQ runs only when the layer is quantized
+    if high == "fp16":
+        made = {o: n.op_type for n in g.node for o in n.output}
+        rounded = [made.get(n.input[0]) for n in g.node if n.op_type == "Cast" and n.name.endswith("_round")]
+        assert "Conv" in rounded and not {"Relu", "Clip", "Concat", "If"} & set(rounded)
+    assert s.layers == q.layers == ["conv0", "conv1", "conv2"]
+    for names in ([], q.layers[:1], q.layers[1::2], q.layers):
+        written = precision_runner(q.model(names))[0]
+        for f in feeds:
+            got, want = s._run(set(names), f)["y"], written(f)["y"]
+            # the same ops on the same values: equal to float32 rounding of the output's scale
+            assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max(), (high, names)
+    full = precision_runner(q.model(q.layers))[0](feeds[1])["y"]
+    assert np.abs(full - run(feeds[1])["y"]).max() > 1e-3  # and quantizing does change the output
