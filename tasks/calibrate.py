@@ -211,9 +211,13 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
                 sensitivity = [{"node": n, "op": q.ops.get(n), "flops": flops.get(n)} for n in layers]
             else:  # restore layers to the high precision, most harmful per FLOP first, judged on held-out samples
                 rank_refs = [run_fp32(f) for f in rank_feeds[:HARM_FEEDS]]
-                base = min(scorer.cosines(layers, rank_feeds[:HARM_FEEDS], rank_refs))
-                harm = {n: min(scorer.cosines([m for m in layers if m != n], rank_feeds[:HARM_FEEDS], rank_refs)) - base
-                        for n in layers}  # the gain of restoring each layer alone in the all-int8 graph
+                if not local:  # the method was given: the local errors of its ranges alone
+                    errs = local_errors({method: q}, prepared, rank_feeds, worst=True)[method]
+                    local = {n: {method: errs.get(n)} for n in layers}
+                # ranked by each layer's own output error with its ranges in use (local, from the pass above): one
+                # whole-model run per layer and page (its gain restored alone in the all-int8 graph) cost 14 s on
+                # PP-OCRv4 det and its boundary was no better (12 of 72 layers; the screen below finds 29)
+                harm = {n: local[n].get(range_choice.get(n, method)) or 0.0 for n in layers}
                 timing["ranking"] = time.perf_counter() - clock - sum(timing.values())
                 met: list[float] = []  # the bound of each candidate met, the last one's margin guides the refinement
 
@@ -232,8 +236,7 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
 
                 chosen, _ = restore_search(layers, meets, harm, flops, screen=screen,
                                            slack=lambda: met[-1] - goal if met else None)
-                sensitivity = [{"node": n, "op": q.ops.get(n), "flops": flops.get(n), "restore_gain": harm[n]}
-                               for n in layers]
+                sensitivity = [{"node": n, "op": q.ops.get(n), "flops": flops.get(n)} for n in layers]
             timing["search"] = time.perf_counter() - clock - sum(timing.values())
             cos_chosen = score(chosen) if chosen else cos_none  # the graph that is written, on its own session
             # the scorer judges the written graph itself (its remainder too); should the two still differ (an fp32 keep
