@@ -95,14 +95,15 @@ def _calibrate(model_path: Path, feeds, method: str, work: Path, on_sample=None)
         with contextlib.redirect_stdout(io.StringIO()):
             cal = create_calibrator(model_path, list(QUANT_OPS + RESIDUAL_OPS), augmented_model_path=str(work / "augmented.onnx"),
                                     calibrate_method=cm, extra_options=opts)
+            needed = quantized_activations(model_path)
             if cm == CalibrationMethod.Percentile:
-                cal.collector = _histogram_collector(cal)
+                cal.collector = _histogram_collector(cal, needed)
             for i, feed in enumerate(feeds):
                 cal.collect_data(_OneFeed(feed))
                 if on_sample is not None:
                     on_sample(i + 1, len(feeds))
             if method == "entropy":  # KL search only where Q/DQ can go (ORT also records e.g. Add outputs)
-                hists, needed = cal.collector.histogram_dict, quantized_activations(model_path)
+                hists = cal.collector.histogram_dict
                 return TensorsData(CalibrationMethod.Entropy, {k: _entropy_range(h) if k in needed else _max_range(h)
                                                               for k, h in hists.items()})
             return cal.compute_data()
@@ -113,8 +114,10 @@ def _calibrate(model_path: Path, feeds, method: str, work: Path, on_sample=None)
                          fix="check that the feeds match the model's inputs") from e
 
 
-def _histogram_collector(cal):
-    """ORT's histogram of |x|, with every histogram starting at 0 as TensorRT's does (2048 bins over [0, amax]).
+def _histogram_collector(cal, needed: set[str]):
+    """ORT's histogram of |x|, with every histogram starting at 0 as TensorRT's does (2048 bins over [0, amax]), for
+    the ``needed`` tensors (those that can get Q/DQ); the others ORT's calibrator records (Add outputs, ...) get only
+    their max |x| (one bin over [0, amax]): PP-OCRv4 det needs histograms of 69 of the 243 tensors.
 
     ORT bins a tensor's first sample over [min|x|, max|x|]: for a nearly constant tensor (|x| within a few float32
     steps of one value, e.g. a bias-like Add input of a Caffe2-era ResNet-50) numpy cannot make 2048 distinct bins
@@ -126,6 +129,11 @@ def _histogram_collector(cal):
             tiny = np.finfo(np.float32).tiny * 2 * self.num_bins  # below this |x| is no range at all: all zeros
             for name, arrs in name_to_arr.items():
                 for a in (arrs if isinstance(arrs, list) else [arrs]):
+                    if name not in needed and a.size:  # max |x| alone, without a copy (NaN: as below)
+                        amax = max(float(a.max()), -float(a.min()))
+                        if amax == amax:
+                            self._add_max(name, a.size, amax if amax >= tiny else 0.0)
+                            continue
                     a = np.abs(np.ravel(a))  # a copy: _add may scale it in place
                     amax = float(a.max()) if a.size else 0.0
                     if amax != amax:  # NaN somewhere (max propagates it): the range of the other values
@@ -133,7 +141,18 @@ def _histogram_collector(cal):
                         amax = float(a.max()) if a.size else 0.0
                     if amax < tiny:
                         a, amax = np.zeros(1, np.float32), 0.0
-                    self._add(name, a, amax)
+                    if name in needed:
+                        self._add(name, a, amax)
+                    else:
+                        self._add_max(name, a.size, amax)
+
+        def _add_max(self, name: str, count: int, amax: float) -> None:
+            old = self.histogram_dict.get(name)
+            hist = np.array([count + (int(old[0].sum()) if old is not None else 0)], np.int64)
+            top = max(amax, float(old[1][-1]) if old is not None else 0.0)
+            lo = min(amax, float(old[2])) if old is not None else amax
+            self.histogram_dict[name] = (hist, np.array([0.0, top if top > 0 else 1.0], np.float32),
+                                         np.float32(lo), np.float32(max(top, amax)))
 
         def _add(self, name: str, a: np.ndarray, amax: float) -> None:
             """ORT's histogram update (bins of a fixed width from 0, more bins appended when |x| grows), counted with
