@@ -147,7 +147,6 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
         else:  # nothing to calibrate (ONNX Runtime's calibrator collects nothing from a graph without inputs)
             from onnxruntime.quantization.calibrate import CalibrationMethod, TensorsData
             ranges, reused = TensorsData(CalibrationMethod.MinMax, {}), False
-        save_ranges(ranges, cache)
         calibration_seconds = time.perf_counter() - t_cal
 
         t_search = time.perf_counter()
@@ -172,7 +171,12 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
         def score(names: list[str]) -> Judged:
             return score_with(q, names)  # q: the quantizer of the ranges in use
 
-        cos_all = score_with(q, layers)
+        scorer = None  # the search's session (int8 with a budget): it judges every layer quantized too
+        if min_cosine is not None and precision == "int8" and layers:
+            scorer = Switchable(q, judge_feeds, ref, JUDGE_Z, None if pooled else metric.value, through)
+            cos_all = Judged.of(scorer.outputs(layers), judged_refs, judged_inputs, metric, held=len(eval_feeds))
+        else:
+            cos_all = score_with(q, layers)
         chosen, cos_chosen, cos_none, sensitivity, range_choice = list(layers), cos_all, None, [], {}
         search_runs, timing = 0, {}
         if min_cosine is not None and cos_all is None:
@@ -181,7 +185,8 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
                 f"accuracy budget min_cosine={min_cosine:.6g} cannot be checked", stage=STAGE, file=str(fp32_path),
                 fix="set min_cosine to None to quantize every layer unchecked, use int8, or validate on a GPU")
         if min_cosine is not None and cos_all.bound < min_cosine:
-            cos_none = score([])
+            cos_none = Judged.of(scorer.outputs([]), judged_refs, judged_inputs, metric, held=len(eval_feeds)) \
+                if scorer is not None else score([])
             if cos_none.bound < min_cosine:
                 raise AccuracyError(
                     f"the {high_precision} graph without any Q/DQ already gives {what} {cos_none.cosine:.8f}"
@@ -194,8 +199,8 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
             local, range_choice = {}, {}
             clock = time.perf_counter()
             # one session: any subset scored by feeding flags
-            scorer = Switchable(q, judge_feeds, ref, JUDGE_Z, None if pooled else metric.value, through)
-            all_bound, goal = scorer.estimate(layers)[2], float(min_cosine)
+            scorer = scorer or Switchable(q, judge_feeds, ref, JUDGE_Z, None if pooled else metric.value, through)
+            all_bound, goal = cos_all.bound, float(min_cosine)
             if choose:  # each tensor's range by the error it causes in the layer that reads it (local, cheap)
                 q_local, local, picked = _ranges_by_local_error(q, prepared, rank_feeds)
                 timing["ranges_chosen"] = time.perf_counter() - clock
@@ -204,8 +209,7 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
                 if c_local > all_bound:  # kept only where the whole model gains (local error is not always global:
                     # layout_cdla all-int8 0.818 with entropy, 0.646 with the locally chosen ranges)
                     q, scorer, all_bound, range_choice = q_local, s_local, c_local, picked
-                    save_ranges(q.ranges, cache)
-            cos_all = Judged(*scorer.last, worst=None)  # every layer quantized, as the search compares them
+                    cos_all = Judged(*s_local.last, worst=None)  # every layer quantized, as the search compares them
             if all_bound >= min_cosine:  # the ranges chosen suffice: every layer int8
                 chosen, harm = list(layers), {n: min(e.values()) for n, e in local.items()}
                 sensitivity = [{"node": n, "op": q.ops.get(n), "flops": flops.get(n)} for n in layers]
@@ -267,6 +271,8 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
                     fix=f"relax accuracy.metric={metric.name}'s threshold, calibrate on more representative samples, try another "
                         "calibration method, or build this model at fp16")
         q.write(chosen, out_path)
+        if workdir is not None:  # the ranges in use, kept beside the graph (a second of JSON on PP-OCRv4 det)
+            save_ranges(q.ranges, cache)
         search_seconds = time.perf_counter() - t_search
 
         files = {"onnx": out_path}

@@ -45,6 +45,8 @@ def ort_session(model: Path | bytes, *, optimization: str = "all", threads: int 
                                    "none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL}[level]
     so.log_severity_level = 4
     so.enable_cpu_mem_arena = arena
+    if threads:
+        so.intra_op_num_threads = threads
     if not spinning:
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if exact:
