@@ -371,7 +371,7 @@ LOW_SHARE = 0.5  # below this share of layer FLOPs quantized, int8 is unlikely t
 
 def low_share_warning(segments: list[dict], precision: str) -> str | None:
     """A warning when the search kept most of the layer FLOPs out of ``precision``, naming the layers that hold it back
-    (the most FLOPs kept in high precision, with what restoring each alone gained); None otherwise."""
+    (the most FLOPs kept in high precision, with each one's own output error); None otherwise."""
     rows = [r for s in segments for r in s.get("sensitivity", []) if r.get("flops")]
     total = sum(r["flops"] for r in rows)
     if not total or not any("quantized" in r for r in rows):
@@ -381,7 +381,7 @@ def low_share_warning(segments: list[dict], precision: str) -> str | None:
         return None
     held = sorted((r for r in rows if not r.get("quantized")), key=lambda r: -r["flops"])[:3]
     names = ", ".join(f"{r['node']} ({r['flops'] / total:.0%} of FLOPs"
-                      + (f", restoring it alone gains {r['restore_gain']:.4f}" if r.get("restore_gain") is not None
+                      + (f", its own output error alone {r['local_error']:.2g}" if r.get("local_error") is not None
                          else "") + ")" for r in held)
     return (f"only {share:.0%} of the Conv/MatMul/Gemm FLOPs are {precision} within the accuracy budget (the rest "
             f"fp16): {precision} will likely not run faster than fp16 here. Held back most: {names}; sensitivity.png in "

@@ -102,10 +102,11 @@ def _calibrate(model_path: Path, feeds, method: str, work: Path, on_sample=None)
                 cal.collect_data(_OneFeed(feed))
                 if on_sample is not None:
                     on_sample(i + 1, len(feeds))
-            if method == "entropy":  # KL search only where Q/DQ can go (ORT also records e.g. Add outputs)
-                hists = cal.collector.histogram_dict
-                return TensorsData(CalibrationMethod.Entropy, {k: _entropy_range(h) if k in needed else _max_range(h)
-                                                              for k, h in hists.items()})
+            if cm == CalibrationMethod.Percentile:  # KL search / percentile only where Q/DQ can go (ORT also
+                # records e.g. Add outputs: their max |x| alone)
+                hists, of = cal.collector.histogram_dict, _entropy_range if method == "entropy" else _percentile_of
+                return TensorsData(CalibrationMethod.Entropy if method == "entropy" else cm,
+                                   {k: of(h) if k in needed else _max_range(h) for k, h in hists.items()})
             return cal.compute_data()
     except Exception as e:
         shapes = sorted({str({k: list(v.shape) for k, v in f.items()}) for f in feeds})[:4]
@@ -213,16 +214,22 @@ def save_ranges(ranges, path: Path) -> None:
 
 def _percentile_range(td) -> tuple:
     """ORT's symmetric percentile (PERCENTILE of |x|) on a TensorData's histogram, keeping the histogram."""
-    hist, edges = np.asarray(td.hist), np.asarray(td.bins)
-    cdf = np.cumsum(hist / max(hist.sum(), 1))
-    amax = min(float(edges[min(int(np.searchsorted(cdf, PERCENTILE / 100.0)), edges.size - 1)]), float(edges[-1]))
-    return (np.array(-amax, dtype=edges.dtype), np.array(amax, dtype=edges.dtype), td.hist, td.bins)
+    return _percentile_of((td.hist, td.bins, None, np.asarray(td.bins)[-1]))
 
 
 def _max_range_of(td) -> tuple:
     """(-max|x|, max|x|) of a TensorData's histogram of |x| (its last edge), keeping the histogram."""
     edges = np.asarray(td.bins)
     return (-edges[-1:].reshape(()).copy(), edges[-1:].reshape(()).copy(), td.hist, td.bins)
+
+
+def _percentile_of(hist_entry) -> tuple:
+    """ORT's symmetric percentile calibration (PERCENTILE of |x|) on a histogram entry: the edge where the cumulative
+    share reaches it, at most the recorded max |x|."""
+    hist, edges = np.asarray(hist_entry[0]), np.asarray(hist_entry[1])
+    cdf = np.cumsum(hist / max(hist.sum(), 1))
+    amax = min(float(edges[min(int(np.searchsorted(cdf, PERCENTILE / 100.0)), edges.size - 1)]), float(hist_entry[3]))
+    return (np.array(-amax, dtype=edges.dtype), np.array(amax, dtype=edges.dtype), hist_entry[0], hist_entry[1])
 
 
 def _max_range(hist_entry) -> tuple:

@@ -196,7 +196,8 @@ GROWTH_ROWS = 60  # fp16 search: the nodes that add the most error, plotted (sen
 
 
 def sensitivity_report(segments: list[dict], d: Path) -> dict[str, Path]:
-    """The per-layer sensitivity table (JSON) and a bar chart: what restoring each layer gains, or its local error."""
+    """The per-layer sensitivity table (JSON) and a bar chart: each layer's local error (what restoring it gains, in
+    reports of earlier builds)."""
     rows = [{"segment": s["segment"], **r, "kept_high_precision": r["node"] in set(s.get("fallback", []))}
             for s in segments for r in s.get("sensitivity", [])]
     files = {"sensitivity": write_json(d / "sensitivity.json", {"layers": rows, "segments": [
@@ -383,7 +384,7 @@ def _quantization(s: dict, sens: dict | None, out_dir: Path) -> str:
                        str(len(g.get("quantized") or [])), esc(", ".join(g.get("fallback") or []) or "none")]
                       for g in sens["segments"]])
     if (out_dir / "sensitivity.png").is_file():
-        out += img(out_dir / "sensitivity.png", "sensitivity per layer (what restoring it alone gains, or its local error)")
+        out += img(out_dir / "sensitivity.png", "sensitivity per layer (its own output error with only it quantized)")
     return out
 
 
