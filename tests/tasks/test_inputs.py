@@ -90,12 +90,12 @@ def test_data_whose_tied_dims_disagree_is_refused(tmp_path):
         load_data(str(tmp_path / "bad.npz"), ins, prof, "validation.data", rules=ShapeRules(named_ties(ins)))
 
 
-def test_heldout_shapes_span_the_profile_keep_the_opt_batch_and_draw_a_static_shape_as_many_samples():
+def test_heldout_shapes_span_the_profile_keep_the_opt_and_max_batch_and_draw_a_static_shape_as_many_samples():
     from tasks.inputs import heldout_shapes
 
     prof = {"x": {"min": [1, 3, 48, 64], "opt": [8, 3, 48, 320], "max": [16, 3, 48, 640]}}
     shapes = [s["x"]["opt"] for s in heldout_shapes(prof, 3, np.random.default_rng(0))]  # fixed shapes
-    assert shapes[:3] == [[1, 3, 48, 64], [8, 3, 48, 320], [1, 3, 48, 640]]  # min, opt at its batch, max single
-    assert len(shapes) >= 4 and all(s[0] == 1 for s in shapes[2:]), shapes  # the rest: single samples
+    assert shapes[:3] == [[1, 3, 48, 64], [8, 3, 48, 320], [16, 3, 48, 640]]  # min, opt and max at their batch
+    assert len(shapes) >= 4 and all(s[0] == 1 for s in shapes[3:]), shapes  # the rest: single samples
     static = {"x": {"min": [1, 3, 64, 64], "opt": [1, 3, 64, 64], "max": [1, 3, 64, 64]}}
     assert len(heldout_shapes(static, 3, np.random.default_rng(0))) == 6  # 3 + 3 samples of the one shape
