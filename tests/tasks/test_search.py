@@ -123,3 +123,26 @@ def test_candidates_the_screen_misjudges_do_not_stop_the_others():
                                   screen=lambda base, c: {n: (0.0 if n.startswith("bad") else losses[n]) for n in c},
                                   slack=lambda: 0.004)
     assert "bad" not in chosen and "bad2" not in chosen and all(f"b{i}" in chosen for i in range(8)), chosen
+
+
+def test_a_right_screen_takes_back_a_run_in_one_judgement_and_skips_what_cannot_fit():
+    # the binary search restores everything big (the ranking overrates them); the screen sees each one's true loss. The
+    # margin affords the 6 cheap ones together: one judgement takes them back. The 4 dear ones cost more than twice
+    # the margin then left each: none is judged.
+    losses = {f"cheap{i}": 0.0005 for i in range(6)} | {f"dear{i}": 0.004 for i in range(4)} | {"s": 0.0065}
+    harm = {n: 1.0 for n in losses} | {"s": 0.001}  # per FLOP the big ones rank first: all restored, 's' alone meets
+    flops = {n: 100.0 for n in losses} | {"s": 1.0}
+    meets, calls = additive(losses, 0.01)
+    met = []
+
+    def judged(names):
+        ok = meets(names)
+        if ok:
+            met.append(0.01 - sum(losses[n] for n in names))  # the margin of a met judgement, as calibrate records it
+        return ok
+
+    chosen, runs = restore_search(list(losses), judged, harm, flops, screen=lambda base, c: {n: losses[n] for n in c},
+                                  slack=lambda: met[-1] if met else None)
+    assert sorted(chosen) == sorted(["s"] + [f"cheap{i}" for i in range(6)]), chosen
+    after_screen = calls[calls.index(["s"]) + 1:]  # the binary search's last judgement: 's' alone
+    assert len(after_screen) == 1, calls  # the 6 cheap ones in one judgement; no dear one judged (0.004 > 2 x 0.0005)
