@@ -79,13 +79,8 @@ def restore_search(layers: list[str], meets: Callable[[list[str]], bool], harm: 
 
     if prefix(0):
         return list(layers), runs
-    lo, hi = 0, len(order)  # prefix(lo) fails; prefix(hi) = nothing quantized, taken to meet
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if prefix(mid):
-            hi = mid
-        else:
-            lo = mid
+    # prefix(0) fails; prefix(len) = nothing quantized, taken to meet
+    _, hi = _bisect(0, len(order), prefix)
     restored = set(order[:hi])  # everything, when no prefix met the target: the large layers are still tried below
     total = sum(flops.get(n) or 0.0 for n in layers) or 1.0
     big = [n for n in restored if (flops.get(n) or 0.0) >= refine_share * total]
@@ -125,16 +120,21 @@ def restore_search(layers: list[str], meets: Callable[[list[str]], bool], harm: 
             restored -= set(rest[:k])
             i += k
             continue
-        lo, hi = 0, k
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if back(mid):
-                lo = mid
-            else:
-                hi = mid
+        lo, _ = _bisect(0, k, lambda m: not back(m))  # back(0) meets (the last judgement), back(k) does not
         restored -= set(rest[:lo])
         i += lo + 1  # rest[lo] fails on top of rest[:lo]
     return [n for n in layers if n not in restored], runs
+
+
+def _bisect(lo: int, hi: int, flips: Callable[[int], bool]) -> tuple[int, int]:
+    """(lo, hi) with hi = lo + 1 where ``flips`` turns from False (at lo) to True (at hi), by halving [lo, hi]."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if flips(mid):
+            hi = mid
+        else:
+            lo = mid
+    return lo, hi
 
 
 SUMMED = ("quantized_layers", "fallback_layers", "search_runs")  # counts over a model's segments
