@@ -118,7 +118,8 @@ def pooled_sums(reference: dict[str, np.ndarray], candidate: dict[str, np.ndarra
     return out
 
 
-def _pooled(dot: float, na2: float, nb2: float) -> float:
+def pooled_cosine_of(dot: float, na2: float, nb2: float) -> float:
+    """The cosine of ``pooled_sums``' (a.b, a.a, b.b): of one output of one feed, or summed over feeds (pooled)."""
     if na2 == 0 and nb2 == 0:
         return 1.0
     return float(dot / np.sqrt(na2 * nb2)) if na2 > 0 and nb2 > 0 else 0.0
@@ -134,13 +135,13 @@ def pooled_estimate(per_feed: list[dict[str, tuple[float, float, float]]], z: fl
     where pooled cosines of sets of 8 pages spread by 0.0028). The bound is the cosine minus ``z`` standard errors."""
     names = list(per_feed[0]) if per_feed else []
     total = {k: np.sum([f[k] for f in per_feed], axis=0) for k in names}
-    value = min((_pooled(*total[k]) for k in names), default=1.0)
+    value = min((pooled_cosine_of(*total[k]) for k in names), default=1.0)
     n = len(per_feed)
     if not n:
         return value, 0.0, value
     se = (1.0 - value) / np.sqrt(n)  # the floor: see below
     if n > 1:
-        loo = np.array([min(_pooled(*(total[k] - np.asarray(f[k]))) for k in names) for f in per_feed])
+        loo = np.array([min(pooled_cosine_of(*(total[k] - np.asarray(f[k]))) for k in names) for f in per_feed])
         se = max(se, float(np.sqrt((n - 1) / n * np.sum((loo - loo.mean()) ** 2))))
     return value, float(se), value - z * float(se)
 
