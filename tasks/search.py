@@ -81,6 +81,8 @@ def restore_search(layers: list[str], meets: Callable[[list[str]], bool], harm: 
         return list(layers), runs
     # prefix(0) fails; prefix(len) = nothing quantized, taken to meet
     _, hi = _bisect(0, len(order), prefix)
+    if hi == len(order) and not prefix(hi):  # not even the graph without any quantized layer meets: nothing to refine
+        return [], runs
     restored = set(order[:hi])  # everything, when no prefix met the target: the large layers are still tried below
     total = sum(flops.get(n) or 0.0 for n in layers) or 1.0
     big = [n for n in restored if (flops.get(n) or 0.0) >= refine_share * total]
