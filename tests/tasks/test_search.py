@@ -1,7 +1,7 @@
 """The accuracy-budget search as a pure function of whole-model judgements and per-layer harm (tasks/search.py)."""
 import pytest
 
-from tasks.search import restore_search, search_target
+from tasks.search import REFINE, restore_search, search_target
 
 
 def additive(losses: dict[str, float], budget: float = 0.01):
@@ -76,7 +76,7 @@ def test_screened_refinement_takes_back_as_much_in_fewer_judgements():
     flops = {n: (100.0 + i if n.startswith("big") else 1.0) for i, n in enumerate(losses)}
     budget = 0.01
 
-    def run(screened: bool):
+    def run(screened: bool, refine: int = 20):
         meets, calls = additive(losses, budget)
         screens = []
 
@@ -89,7 +89,7 @@ def test_screened_refinement_takes_back_as_much_in_fewer_judgements():
             return budget - sum(losses[n] for n in met[-1])
 
         chosen, runs = restore_search(list(losses), meets, harm, flops,
-                                      screen=screen if screened else None, slack=slack)
+                                      screen=screen if screened else None, slack=slack, refine=refine)
         assert sum(losses[n] for n in chosen) <= budget + 1e-12  # every choice is a met judgement
         return chosen, runs, screens
 
@@ -100,6 +100,10 @@ def test_screened_refinement_takes_back_as_much_in_fewer_judgements():
     # the same greedy pass in another order: as many FLOPs back; the 11 that fit taken back in a few judgements, each
     # of the 9 that do not costs one, as one by one
     assert share(screened) >= share(one_by_one) and runs_screened < runs_one, (runs_screened, runs_one)
+    # by default only the REFINE largest are tried back: fewer judgements, the smaller ones stay restored
+    capped, runs_capped, screens = run(True, REFINE)
+    assert screens == [REFINE] and {n for n in capped if n.startswith("big")} <= {f"big{i}" for i in range(20 - REFINE, 20)}
+    assert runs_capped <= runs_screened
 
 
 def test_screened_refinement_with_a_misleading_screen_still_meets_the_budget():
