@@ -383,9 +383,33 @@ def _quantization(s: dict, sens: dict | None, out_dir: Path) -> str:
                      [[esc(g.get("segment")), esc(_method_text(g)), esc(g.get("precision")),
                        str(len(g.get("quantized") or [])), esc(", ".join(g.get("fallback") or []) or "none")]
                       for g in sens["segments"]])
+    held = _held_back(sens)
+    if held:
+        out += held
     if (out_dir / "sensitivity.png").is_file():
         out += img(out_dir / "sensitivity.png", "sensitivity per layer (its own output error with only it quantized)")
     return out
+
+
+HELD_ROWS = 5  # layers kept in high precision shown, the most FLOPs first
+
+
+def _held_back(sens: dict | None) -> str:
+    """What keeps the quantized share of the layer FLOPs below all: the layers kept in high precision with the most
+    FLOPs, each one's share and its own output error with only it quantized (tasks/calibrate.held_back)."""
+    from .calibrate import held_back
+
+    rows = (sens or {}).get("layers") or []
+    held = held_back([{"sensitivity": [{**r, "quantized": not r.get("kept_high_precision")} for r in rows]}],
+                     HELD_ROWS) if rows else None
+    if held is None or not held[1]:
+        return ""
+    share, kept = held
+    return (f"<p>{share:.1%} of the Conv/MatMul/Gemm FLOPs are quantized (FLOPs counted on the ONNX graph at the "
+            f"shape of the search's first sample); the layers kept in higher precision that hold the most back:</p>"
+            + table(["layer", "share of the FLOPs", "its own output error, quantized alone"],
+                    [[esc(r["node"]), f"{r['flops_share']:.1%}",
+                      "n/m" if r["local_error"] is None else f"{r['local_error']:.3g}"] for r in kept], numeric=[1, 2]))
 
 
 def _method_text(segment: dict) -> str:

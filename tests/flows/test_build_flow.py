@@ -354,6 +354,10 @@ def test_ppocr_det_int8_meets_the_budget_with_most_layers_int8_and_rebuilds_from
     out = Path(s["out_dir"])
     sens = json.loads((out / "sensitivity.json").read_text())
     assert len(sens["layers"]) == 72 and (out / "sensitivity.png").is_file()
+    # the report names what holds the int8 share back: the kept layer with the most FLOPs first
+    kept = max((r for r in sens["layers"] if r["kept_high_precision"]), key=lambda r: r["flops"])
+    report = (out / "report.html").read_text()
+    assert "of the Conv/MatMul/Gemm FLOPs are quantized" in report and kept["node"] in report.split("hold the most back")[1]
     assert (out / "precision_profile.json").is_file() and (out / "precision_profile.png").is_file()
     t0 = time.perf_counter()
     again = build(args, None, tmp_path)
