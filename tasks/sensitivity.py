@@ -214,7 +214,12 @@ def meets_target(run: Callable[[dict], dict], feeds: list[dict], refs: list[dict
         return True, None
     sums: list[dict] = []
     part = {k: np.zeros(3) for k in norms}
-    allowed = 1.0 - target * target  # of sin^2 of the pooled angle
+    # of sin^2 of the pooled angle: the bound is the cosine less z standard errors, and the standard error is never
+    # below (1 - cosine) / sqrt(feeds) (tasks.metrics.pooled_estimate), so a pooled cosine below
+    # (target + f) / (1 + f), f = z / sqrt(feeds), cannot meet the target: refused that much sooner
+    f = z / np.sqrt(len(feeds)) if feeds else 0.0
+    reach = (target + f) / (1.0 + f)
+    allowed = 1.0 - reach * reach
     for i in order:
         s = pooled_sums(refs[i], run(feeds[i]))
         sums.append(s)

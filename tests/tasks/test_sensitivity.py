@@ -68,3 +68,26 @@ def test_the_switchable_session_computes_the_written_graph(tmp_path, high):
             assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max(), (high, names)
     full = precision_runner(q.model(q.layers))[0](feeds[1])["y"]
     assert np.abs(full - run(feeds[1])["y"]).max() > 1e-3  # and quantizing does change the output
+
+
+def test_a_judgement_refused_early_is_one_the_whole_set_refuses():
+    """meets_target stops running feeds once those run cannot reach the target whatever the rest gives (their error
+    alone, against the standard error's floor): its verdict is always the full estimate's, and refusing takes fewer
+    runs than the feeds."""
+    from tasks.metrics import pooled_estimate, pooled_sums
+    from tasks.sensitivity import meets_target, output_norms
+
+    rng = np.random.default_rng(0)
+    refs = [{"y": rng.standard_normal(64) * (1 + k % 3)} for k in range(12)]
+    early = 0
+    for trial in range(300):
+        noise = rng.uniform(0.0, 0.3) * rng.uniform(0, 1, 12) ** 3
+        outs = [{"y": r["y"] + n * rng.standard_normal(64) * np.abs(r["y"]).mean()} for r, n in zip(refs, noise)]
+        bound = pooled_estimate([pooled_sums(r, o) for r, o in zip(refs, outs)], 1.0)[2]
+        for target in (bound - 1e-4, bound + 1e-4, rng.uniform(0.95, 1.0)):
+            ran = []
+            ok, _ = meets_target(lambda f: (ran.append(1), outs[f["k"]])[1], [{"k": k} for k in range(12)], refs,
+                                 target, {}, output_norms(refs), 1.0)
+            assert ok == (bound >= target), (trial, bound, target)
+            early += len(ran) < 12
+    assert early > 100
