@@ -368,14 +368,9 @@ def local_errors(quantizers: dict[str, object], fp32_path, feeds: list[dict],
             got = ort_run(sessions[method], {x: cap[x] for x in need}, stage=STAGE)
             for layer, o in outs.items():
                 if o not in norms:
-                    ref = cap[o].astype(np.float64).ravel()
-                    norms[o] = float(np.dot(ref, ref))
-                    del ref
+                    norms[o] = _square_sum(np.array(cap[o], dtype=np.float32))
                 r = norms[o]
-                # the difference in the outputs' type (exactly rounded), summed in float64: 40% less than both in
-                # float64, and the same on every CPU
-                d = np.subtract(got[o + "__quantized"], cap[o]).astype(np.float64).ravel()
-                e = float(np.dot(d, d))
+                e = _square_sum(np.subtract(got[o + "__quantized"], cap[o], dtype=np.float32))
                 num[method][layer] = num[method].get(layer, 0.0) + e
                 top[method][layer] = max(top[method].get(layer, 0.0), rel(e, r))
                 if method == next(iter(probes)):
@@ -384,6 +379,14 @@ def local_errors(quantizers: dict[str, object], fp32_path, feeds: list[dict],
     if worst:
         return top
     return {method: {layer: rel(v, den.get(layer, 0.0)) for layer, v in errs.items()} for method, errs in num.items()}
+
+
+def _square_sum(x: np.ndarray) -> float:
+    """Sum of x**2 (x float32, squared in place), accumulated in float64: half the time of converting x to float64
+    first (local errors: 72 layers x 3 ranges x 8 feeds of PP-OCRv4 det); the float32 squares are within 6e-8 of
+    float64's, far below any difference between two ranges' errors."""
+    np.square(x, out=x)
+    return float(x.sum(dtype=np.float64))
 
 
 def _capturing_session(model: onnx.ModelProto, names: list[str]) -> Callable[[dict], dict]:
