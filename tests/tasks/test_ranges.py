@@ -43,3 +43,58 @@ def test_histograms_only_where_q_dq_can_go_and_the_max_of_the_rest(tmp_path):
         assert float(r.data["c1"].range_value[1]) == np.float32(c1_max)  # the max of the rest
         assert len(r.data["x"].hist) >= 2048  # a full histogram of every sample, binned from 0
         assert 0 < float(r.data["x"].range_value[1]) <= x_max * (1 + 1e-6)
+
+
+def _entropy_amax_loop(hist, edges) -> float:
+    """TensorRT's entropy calibration as the reference loop over candidate thresholds (tasks/ranges.py computes every
+    candidate at once from cumulative sums)."""
+    import math
+
+    from tasks.ranges import ENTROPY_CANDIDATES, ENTROPY_QUANT_BINS
+
+    bins = np.asarray(hist, dtype=np.float64).copy()
+    n, nq = bins.size, ENTROPY_QUANT_BINS
+    if n <= nq or bins.sum() <= 0:
+        return float(edges[-1])
+    bins[0] = bins[1]
+    tail = np.concatenate([np.cumsum(bins[::-1])[::-1], [0.0]])
+    best_kl, best_i = math.inf, n
+    for i in range(nq, n + 1, max(1, math.ceil((n - nq) / ENTROPY_CANDIDATES))):
+        ref = bins[:i]
+        p = ref.copy()
+        p[-1] += tail[i]
+        nz = ref != 0
+        level = (np.arange(i) * nq) // i
+        mass = np.bincount(level, weights=ref, minlength=nq)
+        used = np.bincount(level, weights=nz, minlength=nq)
+        q = np.where(nz, mass[level] / np.maximum(used[level], 1), 0.0)
+        if p.sum() <= 0 or q.sum() <= 0:
+            continue
+        p, q = p / p.sum(), q / q.sum()
+        m = p > 0
+        kl = math.inf if (q[m] == 0).any() else float(np.sum(p[m] * np.log(p[m] / q[m])))
+        if kl <= best_kl:
+            best_kl, best_i = kl, i
+    return float(edges[best_i])
+
+
+def test_entropy_ranges_are_the_reference_loops(det_path, tmp_path):
+    """The entropy threshold of every candidate at once equals the loop over candidates, on histograms of a real
+    network's activations and on made-up ones (decaying, sparse, a plateau then a far outlier, a spike at zero)."""
+    from tasks.ranges import _entropy_range
+
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.uniform(-2, 2, (1, 3, 96, 96)).astype(np.float32)} for _ in range(2)]
+    ranges, _ = ranges_from_feeds(det_path, feeds, "entropy", tmp_path)
+    real = [(v.hist, v.bins) for v in ranges.data.values() if v.hist is not None and len(v.hist) > 1]
+    assert len(real) >= 60
+    made = []
+    for t in range(120):
+        n = int(rng.integers(129, 4200))
+        h = [rng.poisson(1000 * np.exp(-np.arange(n) / rng.uniform(20, 800))),
+             rng.poisson(50, n) * (rng.random(n) < 0.3),
+             np.where(np.arange(n) < rng.integers(1, 200), 415, 0) + (np.arange(n) == n - 1) * 3,
+             rng.poisson(5 * np.exp(-np.arange(n) / 50.0)) + (np.arange(n) == 0) * 100000][t % 4]
+        made.append((h, np.linspace(0, rng.uniform(0.1, 50), n + 1).astype(np.float32)))
+    for hist, edges in real + made:
+        assert float(_entropy_range((hist, edges))[1]) == _entropy_amax_loop(hist, edges)
