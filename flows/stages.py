@@ -479,7 +479,7 @@ def validate(ctx: BuildContext) -> StageResult:
     label = f"{ctx.cfg.model.name} at {ctx.cfg.precision.name}"
     cal = ctx.results.get("calibrate")
     fix = accuracy_fix(prequantized(ctx) or {}) if prequantized(ctx) or cal is None else \
-        search_fix(cal.metrics, val.samples, ctx.cfg.calibration.budget_margin)
+        search_fix(cal.metrics, val.samples, ctx.cfg.calibration.budget_margin, ctx.cfg.calibration.search)
     if metric.name != "cosine":  # those fixes speak of cosine
         fix = None
 

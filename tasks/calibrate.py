@@ -439,11 +439,17 @@ def low_share_warning(segments: list[dict], precision: str) -> str | None:
             f"the report ranks every layer")
 
 
-def search_fix(search: dict, validate_samples: int, budget_margin: float) -> str | None:
+def search_fix(search: dict, validate_samples: int, budget_margin: float, searched: bool = True) -> str | None:
     """How to fix an int8/fp8 build whose validation misses the budget that its accuracy search met: the search's
-    figure and samples against validation's, and the two remedies (None when the search did not run)."""
+    figure and samples against validation's, and the two remedies. Without the search (``searched`` false:
+    calibration.search=false, every layer quantized): what every layer quantized gave, and the search as the remedy.
+    None when no figure was measured."""
     if "search_cosine" not in search:
         return None
+    if not searched:
+        return (f"calibration.search=false quantizes every layer: pooled cosine {search['search_cosine']:.6f} on "
+                f"{search.get('search_samples')} samples; set calibration.search=true so that the accuracy search keeps "
+                f"the layers it must in higher precision, or build at fp16")
     return (f"the accuracy search met its target with pooled cosine {search['search_cosine']:.6f} (less "
             f"{JUDGE_Z:g} standard error: {search['search_cosine_bound']:.6f}) on {search.get('search_samples')} "
             f"samples, validation measured {validate_samples} other samples: the search's samples did not represent "

@@ -530,3 +530,14 @@ def test_the_search_scores_the_graph_that_is_written_fp16_remainder_included(tin
             assert s.cosines(names) == pytest.approx(want, abs=1e-7), (high, names)
         scored[high] = s.cosines(q.layers)
     assert max(abs(a - b) for a, b in zip(scored["fp16"], scored["fp32"])) > 1e-7  # the two remainders differ
+
+
+def test_the_validation_fix_says_whether_the_search_ran():
+    from tasks.calibrate import search_fix
+
+    m = {"search_cosine": 0.88, "search_cosine_bound": 0.85, "search_samples": 16}
+    searched = search_fix(m, 17, 0.5)
+    assert "the accuracy search met its target with pooled cosine 0.880000" in searched and "budget_margin" in searched
+    unsearched = search_fix(m, 17, 0.5, searched=False)
+    assert "met its target" not in unsearched and "calibration.search=true" in unsearched and "0.880000" in unsearched
+    assert search_fix({}, 17, 0.5) is None
