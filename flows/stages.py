@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import Callable
 
 from flows.config import paddle_cache
 from flows.context import BuildContext, Skip, sample_progress
 from flows.runners import candidate_runner, deliverable
 from tasks import backend as trt_backend
 from tasks.build import engines_of, same_graph
-from tasks.errors import StageError, TrtforgeError
+from tasks.errors import SegmentBuildError, StageError, TrtforgeError
 from tasks.export import constants_text
 from tasks.partition import REDUCE_BUILD_SECONDS
 from tasks.util import StageResult, sha256_file
@@ -93,19 +94,43 @@ MAX_REPLANS = 4  # builds re-planned after a failure, at most
 
 def build(ctx: BuildContext) -> StageResult:
     """The baseline engine(s), one per TensorRT segment: fp32 or fp16 graph (int8/fp8: quantized ones in calibrate).
-    A segment TensorRT cannot build runs what fails in ONNX Runtime, re-planned and said (tasks.partition.build_fallback)."""
+    A segment TensorRT cannot build runs what fails in ONNX Runtime, re-planned and said (tasks.partition.build_fallback).
+    int8/fp8: built only where the benchmark times the quantized engine against it (a GPU of the target's compute
+    capability); elsewhere calibrate's engine build is the one that re-plans."""
+    if ctx.cfg.precision.quantized and not prequantized(ctx) and not baseline_timed(ctx):
+        raise Skip(f"{ctx.cfg.precision.name}: the engine that ships is built in calibrate; the {ctx.cfg.precision.baseline} "
+                   f"baseline engine is built only to time {ctx.cfg.precision.name} against it on a GPU of compute "
+                   f"capability {ctx.cfg.target.compute_capability} (benchmark), and "
+                   + ("stages.benchmark=false" if not ctx.cfg.stages.benchmark else
+                      "a hybrid model is timed end to end" if ctx.results["partition"].details.get("hybrid") else
+                      trt_backend.no_gpu_reason(ctx.cfg.target.compute_capability)))
+    return with_replans(ctx, lambda: _build_engines(ctx))
+
+
+def baseline_timed(ctx: BuildContext) -> bool:
+    """Whether the benchmark times a quantized engine against the baseline engine: a GPU of the target's compute
+    capability on this host, the benchmark on, one TensorRT segment (a hybrid model is timed end to end)."""
+    return bool(ctx.cfg.stages.benchmark and trt_backend.gpu_for(ctx.cfg.target.compute_capability) is not None
+                and not ctx.results["partition"].details.get("hybrid"))
+
+
+def with_replans(ctx: BuildContext, attempt: Callable[[], StageResult],
+                 on: type[StageError] = StageError) -> StageResult:
+    """``attempt()`` (engines built from the current plan); when it fails with ``on`` (TensorRT could not build a
+    segment), the plan that runs what failed in ONNX Runtime (tasks.partition.build_fallback, at most MAX_REPLANS times)
+    and ``attempt()`` again on it; the re-plans said in the partition stage's note."""
     from tasks.build import build_error
     from tasks.inputs import generated_feeds
     from tasks.partition import build_fallback
 
     i, notes, cfg, t = ctx.inputs, [], ctx.c("partition"), ctx.cfg.target
-    for attempt in range(MAX_REPLANS + 1):
+    for n in range(MAX_REPLANS + 1):
         try:
-            r = _build_engines(ctx)
+            r = attempt()
             break
-        except StageError as e:
-            with _bisect_progress(ctx.show_progress, attempt + 1) as progress:
-                replan = None if attempt == MAX_REPLANS else build_fallback(
+        except on as e:
+            with _bisect_progress(ctx.show_progress, n + 1) as progress:
+                replan = None if n == MAX_REPLANS else build_fallback(
                     cfg, ctx.results["export"].files["onnx"], ctx.results["partition"].details, e,
                     lambda: generated_feeds(i.inputs, i.profiles[:1], 0, ctx.cfg.seed, rules=i.rules),
                     lambda m, p: build_error(m, p, ctx.cfg.precision.baseline, t.compute_capability, ctx.c("build"),
@@ -121,7 +146,8 @@ def build(ctx: BuildContext) -> StageResult:
             ctx.metrics.update(plan.metrics)
             notes.append(note)
     if notes:
-        ctx.stages["partition"]["note"] = "; ".join(notes)
+        previous = ctx.stages["partition"].get("note")
+        ctx.stages["partition"]["note"] = "; ".join([previous, *notes] if previous else notes)
     return r
 
 
@@ -257,10 +283,17 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
     if prequantized(ctx):
         from tasks.prequant import describe
         raise Skip(f"the model is already quantized ({describe(prequantized(ctx))})")
+    # only the engine build re-plans (an accuracy or calibration failure is not the plan's)
+    return with_replans(ctx, lambda: _calibrate(ctx), on=SegmentBuildError)
+
+
+def _calibrate(ctx: BuildContext) -> StageResult:
+    """calibrate on the current plan (with_replans tries again on a new plan where TensorRT cannot build a segment)."""
     from tasks.calibrate import judge_feeds_of, low_share_warning, qdq_for_segments
     from tasks.search import judged_samples, search_target
     from tasks.segments import Rest, segment_feeds
 
+    p, c = ctx.cfg.precision, ctx.cfg.calibration
     cal, held = ctx.data.calibration, ctx.data.search
     segs, plan, model = trt_segments(ctx), ctx.results["partition"].details, ctx.results["export"].files["onnx"]
     # the margin grows when few samples judge the search (held-out and calibration samples, tasks.search.judged_samples)
