@@ -410,23 +410,11 @@ def qdq_for_segments(segments: list[dict], feeds_for: Callable[[int], list[Feed]
 LOW_SHARE = 0.5  # below this share of layer FLOPs quantized, int8 is unlikely to beat fp16 (reformats between them)
 
 
-def held_back(segments: list[dict], top: int = 3) -> tuple[float, list[dict]] | None:
-    """(the share of the layer FLOPs quantized, the ``top`` layers kept in high precision with the most FLOPs: node,
-    share of the FLOPs, its own output error alone where measured) from the segments' sensitivity rows; None when the
-    rows carry no FLOPs or no search result."""
-    rows = [r for s in segments for r in s.get("sensitivity", []) if r.get("flops")]
-    total = sum(r["flops"] for r in rows)
-    if not total or not any("quantized" in r for r in rows):
-        return None
-    share = sum(r["flops"] for r in rows if r.get("quantized")) / total
-    kept = sorted((r for r in rows if not r.get("quantized")), key=lambda r: -r["flops"])[:top]
-    return share, [{"node": r["node"], "flops_share": r["flops"] / total, "local_error": r.get("local_error")}
-                   for r in kept]
-
-
 def low_share_warning(segments: list[dict], precision: str) -> str | None:
     """A warning when the search kept most of the layer FLOPs out of ``precision``, naming the layers that hold it back
     (the most FLOPs kept in high precision, with each one's own output error); None otherwise."""
+    from .report import held_back
+
     held = held_back(segments)
     if held is None or held[0] >= LOW_SHARE:
         return None

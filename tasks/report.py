@@ -394,11 +394,23 @@ def _quantization(s: dict, sens: dict | None, out_dir: Path) -> str:
 HELD_ROWS = 5  # layers kept in high precision shown, the most FLOPs first
 
 
+def held_back(segments: list[dict], top: int = 3) -> tuple[float, list[dict]] | None:
+    """(the share of the layer FLOPs quantized, the ``top`` layers kept in high precision with the most FLOPs: node,
+    share of the FLOPs, its own output error alone where measured) from the segments' sensitivity rows; None when the
+    rows carry no FLOPs or no search result."""
+    rows = [r for s in segments for r in s.get("sensitivity", []) if r.get("flops")]
+    total = sum(r["flops"] for r in rows)
+    if not total or not any("quantized" in r for r in rows):
+        return None
+    share = sum(r["flops"] for r in rows if r.get("quantized")) / total
+    kept = sorted((r for r in rows if not r.get("quantized")), key=lambda r: -r["flops"])[:top]
+    return share, [{"node": r["node"], "flops_share": r["flops"] / total, "local_error": r.get("local_error")}
+                   for r in kept]
+
+
 def _held_back(sens: dict | None) -> str:
     """What keeps the quantized share of the layer FLOPs below all: the layers kept in high precision with the most
-    FLOPs, each one's share and its own output error with only it quantized (tasks/calibrate.held_back)."""
-    from .calibrate import held_back
-
+    FLOPs, each one's share and its own output error with only it quantized (held_back)."""
     rows = (sens or {}).get("layers") or []
     held = held_back([{"sensitivity": [{**r, "quantized": not r.get("kept_high_precision")} for r in rows]}],
                      HELD_ROWS) if rows else None
