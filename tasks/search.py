@@ -38,9 +38,11 @@ def judged_samples(held_out: int, calibration: int) -> int:
     return held_out + min(calibration, JUDGE_CALIBRATION) if held_out else calibration
 
 
-REFINE = 12  # restored layers tried back after the binary search, the largest first: PP-OCRv6 det (zoo, 16 + 8 samples up
-# to 4 pages of 960 px) took 14 judgements of 4.5 s for its 17 (calibrate 137 s); 12 of them: 101 s, 84.5% of the conv
-# FLOPs int8 instead of 86.5%; PP-OCRv4 det restores 7
+REFINE = 24  # restored layers screened after the binary search (those with at least refine_share of the FLOPs, largest)
+REFINE_JUDGEMENTS = 8  # whole judgements the screened refinement spends at most, most promising candidates first:
+# PP-OCRv6 det (zoo: 16 + 8 samples, up to 4 pages of 960 px, 4.5 s a judgement) spent 14 on its 17 candidates, calibrate
+# 136 s; only the 12 largest candidates tried instead cut minilm's int8 FLOPs from 63% to 56% and PP-OCRv6 rec's from 67%
+# to 42% (their largest layers are their most sensitive)
 
 SKIP_LOSS = 2.0  # a refinement candidate is judged while its screened loss is at most this many times the margin left
 
@@ -49,7 +51,8 @@ def restore_search(layers: list[str], meets: Callable[[list[str]], bool], harm: 
                    flops: dict[str, float] | None = None, refine: int = REFINE,
                    refine_share: float = 0.005,
                    screen: Callable[[list[str], list[str]], dict[str, float]] | None = None,
-                   slack: Callable[[], float | None] | None = None) -> tuple[list[str], int]:
+                   slack: Callable[[], float | None] | None = None,
+                   judgements: int = REFINE_JUDGEMENTS) -> tuple[list[str], int]:
     """The layers to quantize, searched from every layer quantized towards fewer (the other direction of
     the former budget search): layers are restored to the high precision in order of ``harm`` (the accuracy a layer costs,
     measured or estimated) per FLOP kept out of the quantized type, most harmful first; the shortest restored prefix
@@ -63,8 +66,8 @@ def restore_search(layers: list[str], meets: Callable[[list[str]], bool], harm: 
     {candidate: the accuracy lost by quantizing it alone on top of them}, measured cheaply: one run of one sample
     each) the candidates are re-ranked by that loss per FLOP in the configuration the binary search found, and the
     greedy pass over that order judges runs of candidates together (each run the candidates whose losses add up to
-    ``slack()``, the last met judgement's margin above the target). Every layer taken back is confirmed by a
-    whole judgement, so the budget holds as before; fewer judgements decide."""
+    ``slack()``, the last met judgement's margin above the target), spending at most ``judgements`` of them. Every
+    layer taken back is confirmed by a whole judgement, so the budget holds as before; fewer judgements decide."""
     flops = flops or {}
     order = sorted(layers, key=lambda n: -harm.get(n, 0.0) / max(flops.get(n) or 1.0, 1.0))
     runs = 0
@@ -104,8 +107,8 @@ def restore_search(layers: list[str], meets: Callable[[list[str]], bool], harm: 
     # longest part of it that meets is found by a binary search and the candidate after it (which failed on top of it)
     # is skipped. Where the screen is right this costs one judgement per run; where every candidate fails, one each,
     # as one by one. (Galloping from each met run, 1, 2, 4, ..., cost PP-OCRv6 det 21 judgements for 17 candidates.)
-    i = 0
-    while i < len(cand):
+    i, start = 0, runs
+    while i < len(cand) and runs - start < judgements:
         left = slack() if slack is not None else None
         if left is not None and left >= 0:  # a candidate whose screened loss is far beyond the margin left is not
             # judged (a narrowly failing judgement runs most feeds before it is refused: PP-OCRv4 det, 9 of them after

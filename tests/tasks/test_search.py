@@ -1,7 +1,7 @@
 """The accuracy-budget search as a pure function of whole-model judgements and per-layer harm (tasks/search.py)."""
 import pytest
 
-from tasks.search import REFINE, restore_search, search_target
+from tasks.search import restore_search, search_target
 
 
 def additive(losses: dict[str, float], budget: float = 0.01):
@@ -76,7 +76,7 @@ def test_screened_refinement_takes_back_as_much_in_fewer_judgements():
     flops = {n: (100.0 + i if n.startswith("big") else 1.0) for i, n in enumerate(losses)}
     budget = 0.01
 
-    def run(screened: bool, refine: int = 20):
+    def run(screened: bool, judgements: int = 100):
         meets, calls = additive(losses, budget)
         screens = []
 
@@ -89,7 +89,7 @@ def test_screened_refinement_takes_back_as_much_in_fewer_judgements():
             return budget - sum(losses[n] for n in met[-1])
 
         chosen, runs = restore_search(list(losses), meets, harm, flops,
-                                      screen=screen if screened else None, slack=slack, refine=refine)
+                                      screen=screen if screened else None, slack=slack, judgements=judgements)
         assert sum(losses[n] for n in chosen) <= budget + 1e-12  # every choice is a met judgement
         return chosen, runs, screens
 
@@ -100,10 +100,25 @@ def test_screened_refinement_takes_back_as_much_in_fewer_judgements():
     # the same greedy pass in another order: as many FLOPs back; the 11 that fit taken back in a few judgements, each
     # of the 9 that do not costs one, as one by one
     assert share(screened) >= share(one_by_one) and runs_screened < runs_one, (runs_screened, runs_one)
-    # by default only the REFINE largest are tried back: fewer judgements, the smaller ones stay restored
-    capped, runs_capped, screens = run(True, REFINE)
-    assert screens == [REFINE] and {n for n in capped if n.startswith("big")} <= {f"big{i}" for i in range(20 - REFINE, 20)}
-    assert runs_capped <= runs_screened
+
+
+def test_the_refinement_spends_at_most_its_judgements_on_the_most_promising_candidates():
+    # a margin that affords one candidate per judgement: 20 judgements for 20 candidates, unless capped
+    losses = {f"big{i}": 0.00009 + 0.000001 * i for i in range(20)} | {f"s{i}": 0.003 for i in range(10)}
+    harm = {n: (1.0 if n.startswith("big") else v) for n, v in losses.items()}
+    flops = {n: 100.0 if n.startswith("big") else 1.0 for n in losses}
+
+    def run(judgements: int):
+        meets, calls = additive(losses, 0.01)
+        chosen, runs = restore_search(list(losses), meets, harm, flops, screen=lambda base, c: {n: losses[n] for n in c},
+                                      slack=lambda: 0.0001, judgements=judgements)
+        return {n for n in chosen if n.startswith("big")}, runs
+
+    every, runs_every = run(100)
+    two, runs_two = run(2)
+    bisection = runs_two - 2  # the same binary search before both refinements
+    assert len(every) > 2 and runs_every - bisection > 2, (runs_every, runs_two)
+    assert two == {"big0", "big1"}  # the least screened loss per FLOP first
 
 
 def test_screened_refinement_with_a_misleading_screen_still_meets_the_budget():
@@ -125,7 +140,7 @@ def test_candidates_the_screen_misjudges_do_not_stop_the_others():
     meets, _ = additive(losses, 0.012)
     chosen, runs = restore_search(list(losses), meets, harm, flops,
                                   screen=lambda base, c: {n: (0.0 if n.startswith("bad") else losses[n]) for n in c},
-                                  slack=lambda: 0.004)
+                                  slack=lambda: 0.004, judgements=100)
     assert "bad" not in chosen and "bad2" not in chosen and all(f"b{i}" in chosen for i in range(8)), chosen
 
 
