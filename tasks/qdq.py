@@ -87,10 +87,7 @@ class Quantizer:
         import onnx
         from onnxruntime.quantization.qdq_quantizer import QDQQuantizer
 
-        m = onnx.ModelProto()
-        m.CopyFrom(self.base)
-        params = QDQQuantizer(m, True, False, self.qtype, self.qtype, self.ranges, list(self.layers), [],
-                              list(QUANT_OPS + RESIDUAL_OPS), dict(EXTRA_OPTIONS)).calc_graph_quant_params()
+        params = self._ort_quantizer(self.layers).calc_graph_quant_params()
         out = onnx.ModelProto()
         out.CopyFrom(full)
         for t in out.graph.initializer:
@@ -122,7 +119,7 @@ class Quantizer:
             m.CopyFrom(self.base)
             return m
         if self._full is None:
-            parent = getattr(self, "_rescale_from", None)
+            parent = self._rescale_from
             self._full = self._rescaled(parent.qdq(parent.layers)) if parent is not None else self.quantize(self.layers)
         m.CopyFrom(self._full)
         keep = set(names)
@@ -141,17 +138,20 @@ class Quantizer:
 
     def quantize(self, names: list[str]):
         """ORT's QDQQuantizer on ``names`` (int8; rewritten as fp8 for precision fp8)."""
+        m = self._ort_quantizer(names).quantize_model()
+        if self.precision == "fp8":
+            self._to_fp8(m)
+        return float_for_other_consumers(m, self.residual)
+
+    def _ort_quantizer(self, names: list[str]):
+        """ORT's QDQQuantizer over a copy of the model with these ranges, quantizing ``names``."""
         import onnx
         from onnxruntime.quantization.qdq_quantizer import QDQQuantizer
 
         m = onnx.ModelProto()
         m.CopyFrom(self.base)
-        qz = QDQQuantizer(m, True, False, self.qtype, self.qtype, self.ranges, list(names), [],
-                          list(QUANT_OPS + RESIDUAL_OPS), dict(EXTRA_OPTIONS))
-        m = qz.quantize_model()
-        if self.precision == "fp8":
-            self._to_fp8(m)
-        return float_for_other_consumers(m, self.residual)
+        return QDQQuantizer(m, True, False, self.qtype, self.qtype, self.ranges, list(names), [],
+                            list(QUANT_OPS + RESIDUAL_OPS), dict(EXTRA_OPTIONS))
 
     def _fp8_weight(self, name: str, axis: int | None) -> tuple[np.ndarray, np.ndarray]:
         """(float8 weight, float32 scale): per-channel along ``axis`` (per-tensor if None), max|w| / 448."""
