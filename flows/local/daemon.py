@@ -174,7 +174,10 @@ def _follow(reader, child: int) -> int:
         _killpg(child, signal.SIGCONT)
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-        signal.signal(sig, forward)
+        # a signal this CLI was started ignoring stays ignored, as a build in the CLI's own process ignores it: `cmd &`
+        # in a script (Ctrl-C at the terminal is not for it), `nohup` (the hangup)
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, forward)
     signal.signal(signal.SIGTSTP, suspend)
     signal.signal(signal.SIGCONT, lambda *_: _killpg(child, signal.SIGCONT))
     try:

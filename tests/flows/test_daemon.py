@@ -46,13 +46,25 @@ def cold(tmp_path_factory, user_config_dir):
     return (tmp, user_config_dir, env, None)
 
 
-def cli(w, *extra: str, wait: bool = True, flags: tuple[str, ...] = ()):
+def as_job(background: bool):
+    """What a shell does to a job's signals before it runs it: an interactive shell's job (and a foreground one) takes
+    Ctrl-C and Ctrl-\\; `cmd &` in a script ignores both. Set here, whatever this test process inherited: a suite run
+    in the background (`make test &`) would otherwise start every build ignoring Ctrl-C."""
+    disposition = signal.SIG_IGN if background else signal.SIG_DFL
+
+    def preexec() -> None:
+        for sig in (signal.SIGINT, signal.SIGQUIT):
+            signal.signal(sig, disposition)
+    return preexec
+
+
+def cli(w, *extra: str, wait: bool = True, flags: tuple[str, ...] = (), background: bool = False):
     tmp, conf, env, _ = w
     args = [sys.executable, "-m", "flows.build", *flags, "--config-dir", str(conf), "model=tiny", "stages.benchmark=false",
             f"out_dir={tmp / 'out'}", f"cache_dir={tmp / 'cache'}", *extra]
     if not wait:  # a process group of its own, as a shell runs a job: the test's Ctrl-C and Ctrl-Z go to the group
         return subprocess.Popen(args, cwd=tmp, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, process_group=0)
+                                stderr=subprocess.PIPE, text=True, process_group=0, preexec_fn=as_job(background))
     return subprocess.run(args, cwd=tmp, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
 
 
@@ -118,11 +130,11 @@ def the_build(w, proc) -> tuple[int, set[int]]:
     return build, descendants(build)
 
 
-def long_build(w, *extra: str, flags: tuple[str, ...] = ()):
+def long_build(w, *extra: str, flags: tuple[str, ...] = (), background: bool = False):
     """An fp16 build with a benchmark of a million runs: under way when the test signals it."""
     w = (*w[:4], log_lines(w[3]) if w[3] else 0)
     proc = cli(w[:4], "precision=fp16", "stages.benchmark=true", "benchmark.iterations=1000000", *extra, wait=False,
-               flags=flags)
+               flags=flags, background=background)
     build, _ = the_build(w, proc)
     time.sleep(6.0)  # past the imports, into the stages
     assert proc.poll() is None, proc.stderr.read()[-2000:]
@@ -182,8 +194,12 @@ def test_ctrl_c_ctrl_z_and_sigterm_mid_build_end_it_the_same_way_warm_or_cold(bo
         proc.wait(timeout=300)
         wait_for(lambda: gone(procs), 60, f"{mode}: the build outlived Ctrl-C")
         interrupted = (proc.returncode, tail(proc.stderr.read()))
-        # `kill PID`: SIGTERM to the CLI alone
-        proc, build, procs = long_build(w, "target=sm_89")
+        # a job started with `&` from a script ignores Ctrl-C (its shell set SIGINT to ignored): so does its build;
+        # `kill PID` (SIGTERM to the CLI alone) ends it
+        proc, build, procs = long_build(w, "target=sm_89", background=True)
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(3.0)
+        assert proc.poll() is None and state(build) not in ("X", "Z"), f"{mode}: a build started ignoring Ctrl-C stopped"
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=300)
         wait_for(lambda: gone(procs), 60, f"{mode}: the build outlived SIGTERM")
