@@ -40,6 +40,7 @@ STAGE = "calibrate"
 HIGH_PRECISIONS = ("fp16", "fp32")
 MIN_OPSET = 19  # float16 Q/DQ scales (the fp16 remainder) and float8 need opset 19
 RANK_FEEDS = 8  # calibration samples the local errors (range choice, report) are measured on
+PREPARE_FEEDS = 2  # held-out samples the prepared graph (opset, folded constants) is checked on against the input's
 HARM_FEEDS = 1  # calibration samples each layer's restore gain (the search's ranking) is measured on
 JUDGE_Z = 1.0  # standard errors of the pooled cosine a candidate's figure is lowered by before it meets the target
 
@@ -135,7 +136,8 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
 
         run_fp32 = ort_runner(fp32_path, stage=STAGE)
         ref = [run_fp32(f) for f in judge_feeds]
-        prepared, prep_info = _prepare(fp32_path, work / "fp32_prepared.onnx", eval_feeds, ref[:len(eval_feeds)])
+        prepared, prep_info = _prepare(fp32_path, work / "fp32_prepared.onnx", eval_feeds[:PREPARE_FEEDS],
+                                       ref[:min(len(eval_feeds), PREPARE_FEEDS)])
 
         t_cal = time.perf_counter()
         cache = work / f"calibration_{method}.json"
@@ -220,7 +222,8 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
                 chosen, harm = list(layers), {n: min(e.values()) for n, e in local.items()}
                 sensitivity = [{"node": n, "op": q.ops.get(n), "flops": flops.get(n)} for n in layers]
             else:  # restore layers to the high precision, most harmful per FLOP first, judged on held-out samples
-                rank_refs = [run_fp32(f) for f in rank_feeds[:HARM_FEEDS]]
+                judged_at = {id(f): k for k, f in enumerate(judge_feeds)}  # a judged feed's reference is at hand
+                rank_refs = [ref[judged_at[id(f)]] if id(f) in judged_at else run_fp32(f) for f in rank_feeds[:HARM_FEEDS]]
                 if not local:  # the method was given: the local errors of its ranges alone
                     errs = local_errors({method: q}, prepared, rank_feeds, worst=True)[method]
                     local = {n: {method: errs.get(n)} for n in layers}

@@ -85,6 +85,7 @@ class Switchable:
         self.last: tuple[float, float, float] | None = None  # (cosine, standard error, bound) of the last full judgement
         # each subset met (every feed run): (its figure as ``last``, {feed index: the lowest cosine of its outputs})
         self.met: dict[frozenset, tuple[tuple[float, float, float] | None, dict[int, float]]] = {}
+        self._sums: dict[frozenset, dict[int, dict]] = {}  # each subset judged: its feeds' pooled_sums by index
 
     def cosines(self, names, feeds: list[dict] | None = None, refs: list[dict] | None = None) -> list[float]:
         """Per feed (default: the search feeds): the lowest cosine of any of the graph's own outputs to its reference
@@ -116,7 +117,9 @@ class Switchable:
         orthogonal to the reference already exceeds what the whole set allows; another metric: the first feed below):
         most failing candidates are judged in a run or two."""
         on, at = set(names), {id(f): k for k, f in enumerate(self.judged_feeds)}
-        sums: dict[int, dict] = {}
+        # the feeds this subset ran before (judged against another target: every layer quantized, first against the
+        # budget, then raced against other ranges) are not run again
+        sums = self._sums.setdefault(frozenset(on), {}) if self.judge is None else {}
         ok, last = meets_target(lambda f: self._judged(on, at[id(f)]), self.judged_feeds, self.judged_refs, target,
                                 self._miss, self._norms, self.z, self.judge, sums)
         if last is not None:
@@ -202,9 +205,11 @@ def meets_target(run: Callable[[dict], dict], feeds: list[dict], refs: list[dict
     candidate is refused as soon as the feeds run so far prove it cannot reach ``target`` even pooled alone (their
     error orthogonal to the reference already exceeds what the whole set allows, ``norms``: each output's squared norm
     over the whole set; another metric: the first feed below). Returns (meets, the pooled estimate when every feed
-    ran, else None; ``sums_of``, if given, gets each feed's ``pooled_sums`` by its index). Shared by the int8 search
+    ran, else None; ``sums_of``, if given, gets each feed's ``pooled_sums`` by its index, and the feeds it holds already
+    are not run again but counted first). Shared by the int8 search
     (``Switchable``) and fp16's (tasks/fp16search.py)."""
-    order = sorted(range(len(feeds)), key=lambda i: -miss.get(i, 0.0))
+    known = dict(sums_of) if sums_of else {}
+    order = sorted(range(len(feeds)), key=lambda i: (i not in known, -miss.get(i, 0.0)))
     if judge is not None:
         for i in order:
             v = judge(run(feeds[i]), refs[i], feeds[i])
@@ -221,7 +226,7 @@ def meets_target(run: Callable[[dict], dict], feeds: list[dict], refs: list[dict
     reach = (target + f) / (1.0 + f)
     allowed = 1.0 - reach * reach
     for i in order:
-        s = pooled_sums(refs[i], run(feeds[i]))
+        s = known[i] if i in known else pooled_sums(refs[i], run(feeds[i]))
         sums.append(s)
         if sums_of is not None:
             sums_of[i] = s

@@ -91,3 +91,23 @@ def test_a_judgement_refused_early_is_one_the_whole_set_refuses():
             assert ok == (bound >= target), (trial, bound, target)
             early += len(ran) < 12
     assert early > 100
+
+
+def test_a_subset_judged_again_runs_only_the_feeds_it_has_not_run(tmp_path):
+    """Every layer quantized is judged against the budget, then raced against other ranges: the feeds the first
+    judgement ran are not run again, and each verdict is the one the whole set gives."""
+    from tasks.sensitivity import Switchable
+
+    path = _model(tmp_path / "m.onnx")
+    rng = np.random.default_rng(2)
+    feeds = [{"x": rng.standard_normal((1, 3, 12, 12)).astype(np.float32) * s} for s in (1.0, 3.0, 0.5, 2.0, 1.5)]
+    ranges, _ = ranges_from_feeds(path, feeds, "minmax", tmp_path)
+    q = Quantizer(path, ranges, "int8", "fp32")
+    run = ort_runner(path)
+    refs = [run(f) for f in feeds]
+    figure = Switchable(q, feeds, refs).estimate(q.layers)  # every feed: the subset's figure
+    s = Switchable(q, feeds, refs)
+    assert not s.meets(q.layers, 1.0) and 0 < s.runs < len(feeds)  # refused after some feeds
+    assert s.meets(q.layers, figure[2] - 1e-9)  # met: every feed counted, only the others run
+    assert s.runs == len(feeds) and s.last == pytest.approx(figure, rel=1e-9, abs=1e-12)
+    assert not s.meets(q.layers, figure[2] + 1e-6) and s.runs == len(feeds)  # judged again: nothing left to run
