@@ -85,7 +85,6 @@ class Quantizer:
         by ORT's quantizer itself (``calc_graph_quant_params``, its range adjustments included) without re-running it
         over the graph (0.46 s of PP-OCRv4 det per range set; tests/tasks/test_qdq.py checks the two graphs equal)."""
         import onnx
-        from onnxruntime.quantization.qdq_quantizer import QDQQuantizer
 
         params = self._ort_quantizer(self.layers).calc_graph_quant_params()
         out = onnx.ModelProto()
