@@ -28,7 +28,7 @@ from .flops import onnx_flops
 from .graph import fold_constants, fp32_from_fp16, opset_of, uniquify_node_names, with_opset
 from .inputs import batch_size
 from .metrics import pooled_estimate, pooled_sums, worst_feed_cosine
-from .ort import ort_runner, quiet_python_logging
+from .ort import ordered_runs, ort_runner, quiet_python_logging, run_workers
 from .precision import DATA_MAX, fp16_hazards_from_data
 from .qdq import PRECISIONS, QUANT_OPS, Quantizer
 from .ranges import DEFAULT_METHOD, METHODS, alternative_ranges, ranges_from_feeds, save_ranges
@@ -134,8 +134,9 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
         work.mkdir(parents=True, exist_ok=True)
         stack.enter_context(quiet_python_logging())
 
-        run_fp32 = ort_runner(fp32_path, stage=STAGE)
-        ref = [run_fp32(f) for f in judge_feeds]
+        workers, threads = run_workers()  # the references a few at a time (tasks/ort.ordered_runs)
+        run_fp32 = ort_runner(fp32_path, stage=STAGE, threads=threads)
+        ref = list(ordered_runs(run_fp32, judge_feeds, workers))
         prepared, prep_info = _prepare(fp32_path, work / "fp32_prepared.onnx", eval_feeds[:PREPARE_FEEDS],
                                        ref[:min(len(eval_feeds), PREPARE_FEEDS)])
 

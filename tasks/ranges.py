@@ -26,6 +26,7 @@ from typing import Callable
 import numpy as np
 
 from .errors import StageError, cause
+from .ort import ordered_runs, run_workers
 from .qdq import QUANT_OPS, RESIDUAL_OPS, quantized_activations
 
 STAGE = "calibrate"
@@ -98,8 +99,15 @@ def _calibrate(model_path: Path, feeds, method: str, work: Path, on_sample=None)
             needed = quantized_activations(model_path)
             if cm == CalibrationMethod.Percentile:
                 cal.collector = _histogram_collector(cal, needed)
-            for i, feed in enumerate(feeds):
-                cal.collect_data(_OneFeed(feed))
+                # the samples in order, run a few at a time while the last one's histograms are counted (ORT's
+                # collect_data runs one, then counts)
+                workers, threads = run_workers()
+                samples = ordered_runs(_calibration_run(cal, threads), feeds, workers)
+            else:  # ORT's ReduceMin/Max outputs: its own collect_data
+                samples = (cal.collect_data(_OneFeed(feed)) for feed in feeds)
+            for i, sample in enumerate(samples):
+                if sample is not None:
+                    cal.collector.collect(sample)
                 if on_sample is not None:
                     on_sample(i + 1, len(feeds))
             if cm == CalibrationMethod.Percentile:  # KL search / percentile only where Q/DQ can go (ORT also
@@ -113,6 +121,28 @@ def _calibrate(model_path: Path, feeds, method: str, work: Path, on_sample=None)
         raise StageError(f"calibration ({method}) failed on feeds {', '.join(shapes)}: {type(e).__name__}: "
                          f"{cause(e)}", stage=STAGE, file=str(model_path),
                          fix="check that the feeds match the model's inputs") from e
+
+
+def _calibration_run(cal, threads: int) -> Callable[[dict], dict]:
+    """feed -> {tensor: [its values]} of the tensors ``cal`` (ORT's HistogramCalibrater) calibrates, as its
+    collect_data gives them to the collector: its augmented model without graph optimizations (as its own session
+    runs it), on a session of ``threads`` threads."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.log_severity_level = 4
+    so.intra_op_num_threads = threads
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    session = ort.InferenceSession(cal.augmented_model_path, so, providers=["CPUExecutionProvider"])
+    inputs = {i.name for i in session.get_inputs()}
+    names = [o.name for o in session.get_outputs()]
+    wanted = set(cal.tensors_to_calibrate)
+
+    def run(feed: dict) -> dict:
+        # a graph output that is also a graph input is copied, as collect_data does (onnxruntime issue 21922)
+        return {n: [copy.copy(v) if n in inputs else v] for n, v in zip(names, session.run(None, feed)) if n in wanted}
+    return run
 
 
 def _histogram_collector(cal, needed: set[str]):

@@ -12,6 +12,8 @@
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Callable
 
 import numpy as np
@@ -19,7 +21,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from .metrics import cosine, pooled_cosine_of, pooled_estimate, pooled_sums
-from .ort import ort_run, ort_session
+from .ort import ordered_runs, ort_run, ort_session, run_workers
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 STAGE = "calibrate"
@@ -69,7 +71,11 @@ class Switchable:
         if q.high_precision == "fp16":  # the remainder as written (tasks/qdq.Quantizer.model) and emulated
             m = _fp16_emulated(m, q)
         self.model = _switched_by_if(m, set(self.flags.values()))  # what the session runs
-        self.session = ort_session(self.model.SerializeToString(), stage=STAGE)
+        # ``workers`` runs at once, on ``threads`` each (tasks/ort.ordered_runs); through the rest of a hybrid model
+        # (other sessions, run for each output) one at a time on ONNX Runtime's threads
+        self.workers, threads = run_workers() if through is None else (1, 0)
+        self.session = ort_session(self.model.SerializeToString(), stage=STAGE, threads=threads)
+        self._count = threading.Lock()
         self.feeds, self.refs, self.z = feeds, refs, z
         # a segment of a hybrid model (tasks/segments.Through): candidates are judged on the model's outputs, the rest of
         # the model run on the segment's outputs (feed k of ``feeds`` is the model's feed k, ``refs`` its fp32 outputs)
@@ -91,13 +97,15 @@ class Switchable:
         """Per feed (default: the search feeds): the lowest cosine of any of the graph's own outputs to its reference
         with exactly ``names`` quantized (never through the rest of a hybrid model: the search's ranking)."""
         on = set(names)
-        return [min(cosine(got[k], r[k]) for k in r) for got, r in
-                ((self._run(on, f), r) for f, r in zip(feeds or self.feeds, refs or self.refs))]
+        outs = ordered_runs(lambda f: self._run(on, f), feeds or self.feeds, self.workers)
+        return [min(cosine(got[k], r[k]) for k in r) for got, r in zip(outs, refs or self.refs)]
 
     def outputs(self, names) -> list[dict]:
         """Per search feed, what is judged with exactly ``names`` quantized: the graph's outputs, or through the rest of
         a hybrid model the model's."""
-        return [self._judged(set(names), k) for k in range(len(self.feeds))]
+        on = set(names)
+        outs = ordered_runs(lambda f: self._run(on, f), self.feeds, self.workers)
+        return [out if self.through is None else self.through(k, out) for k, out in enumerate(outs)]
 
     def estimate(self, names) -> tuple[float, float, float]:
         """(figure, standard error, bound) on every search feed: the pooled cosine (``tasks.metrics.pooled_estimate``),
@@ -121,7 +129,7 @@ class Switchable:
         # budget, then raced against other ranges) are not run again
         sums = self._sums.setdefault(frozenset(on), {}) if self.judge is None else {}
         ok, last = meets_target(lambda f: self._judged(on, at[id(f)]), self.judged_feeds, self.judged_refs, target,
-                                self._miss, self._norms, self.z, self.judge, sums)
+                                self._miss, self._norms, self.z, self.judge, sums, self.workers)
         if last is not None:
             self.last = last
         if ok and last is not None:
@@ -135,7 +143,8 @@ class Switchable:
 
     def _run(self, on: set, feed: dict) -> dict:
         flags = {f: np.array(n in on) for n, f in self.flags.items()}
-        self.runs += 1
+        with self._count:  # runs may go on several threads (ordered_runs)
+            self.runs += 1
         return ort_run(self.session, {**feed, **flags}, stage=STAGE)
 
 
@@ -198,7 +207,7 @@ def _switched_by_if(m: onnx.ModelProto, flags: set[str]) -> onnx.ModelProto:
 
 def meets_target(run: Callable[[dict], dict], feeds: list[dict], refs: list[dict], target: float, miss: dict[int, float],
                  norms: dict[str, float], z: float = 1.0, judge=None,
-                 sums_of: dict[int, dict] | None = None) -> tuple[bool, tuple[float, float, float] | None]:
+                 sums_of: dict[int, dict] | None = None, workers: int = 1) -> tuple[bool, tuple[float, float, float] | None]:
     """Whether a candidate (``run``: feed -> outputs) meets ``target`` on ``feeds``: the pooled cosine less ``z``
     standard errors (``tasks.metrics.pooled_estimate``), or with ``judge`` (another metric's value per feed, higher is
     better) every feed's value. The feeds that erred most before (``miss``, per feed, updated) run first, and the
@@ -206,13 +215,26 @@ def meets_target(run: Callable[[dict], dict], feeds: list[dict], refs: list[dict
     error orthogonal to the reference already exceeds what the whole set allows, ``norms``: each output's squared norm
     over the whole set; another metric: the first feed below). Returns (meets, the pooled estimate when every feed
     ran, else None; ``sums_of``, if given, gets each feed's ``pooled_sums`` by its index, and the feeds it holds already
-    are not run again but counted first). Shared by the int8 search
+    are not run again but counted first). ``workers``: feeds run that many at a time (``run`` must be thread-safe;
+    tasks/ort.ordered_runs), judged in the same order, with the same verdict and figure. Shared by the int8 search
     (``Switchable``) and fp16's (tasks/fp16search.py)."""
     known = dict(sums_of) if sums_of else {}
     order = sorted(range(len(feeds)), key=lambda i: (i not in known, -miss.get(i, 0.0)))
+
+    def kept(i: int, out: dict) -> None:  # run ahead of a refusal: counted when the same candidate is judged again
+        if sums_of is not None and judge is None:
+            sums_of[i] = pooled_sums(refs[i], out)
+
+    with contextlib.closing(ordered_runs(lambda i: run(feeds[i]), [i for i in order if i not in known], workers,
+                                         kept)) as outs:
+        return _meets(outs, feeds, refs, target, miss, norms, z, judge, sums_of, known, order)
+
+
+def _meets(outs, feeds, refs, target, miss, norms, z, judge, sums_of, known, order):
+    """meets_target's judgement of the feeds in ``order``, the outputs of those not ``known`` from ``outs``."""
     if judge is not None:
         for i in order:
-            v = judge(run(feeds[i]), refs[i], feeds[i])
+            v = judge(next(outs), refs[i], feeds[i])
             miss[i] = max(miss.get(i, 0.0), target - v)
             if v < target:
                 return False, None
@@ -226,7 +248,7 @@ def meets_target(run: Callable[[dict], dict], feeds: list[dict], refs: list[dict
     reach = (target + f) / (1.0 + f)
     allowed = 1.0 - reach * reach
     for i in order:
-        s = known[i] if i in known else pooled_sums(refs[i], run(feeds[i]))
+        s = known[i] if i in known else pooled_sums(refs[i], next(outs))
         sums.append(s)
         if sums_of is not None:
             sums_of[i] = s
@@ -357,7 +379,9 @@ def local_errors(quantizers: dict[str, object], fp32_path, feeds: list[dict],
     for method, q in quantizers.items():
         probes[method] = probe_model(q, q.qdq(q.layers), fp32)
     names = list(dict.fromkeys(x for m, need, outs in probes.values() for x in (*need, *outs.values())))
-    sessions = {method: ort_session(m.SerializeToString(), stage=STAGE) for method, (m, _, _) in probes.items()}
+    workers, threads = run_workers()  # feeds captured and probed a few at a time (tasks/ort.ordered_runs)
+    sessions = {method: ort_session(m.SerializeToString(), stage=STAGE, threads=threads)
+                for method, (m, _, _) in probes.items()}
     num = {method: {} for method in probes}
     den: dict[str, float] = {}
     top = {method: {} for method in probes}
@@ -365,12 +389,17 @@ def local_errors(quantizers: dict[str, object], fp32_path, feeds: list[dict],
     def rel(v: float, d: float) -> float:
         return v / d if d else (0.0 if v == 0 else float("inf"))
 
-    capture = _capturing_session(fp32, names)  # one session for every feed (one each cost ~0.5 s on PP-OCRv4 det)
-    for feed in feeds:
+    capture = _capturing_session(fp32, names, threads)  # one session for every feed (one each: ~0.5 s on PP-OCRv4 det)
+
+    def probed(feed: dict) -> tuple[dict, dict]:
         cap = capture(feed)
+        return cap, {method: ort_run(sessions[method], {x: cap[x] for x in need}, stage=STAGE)
+                     for method, (_, need, _) in probes.items()}
+
+    for cap, by_method in ordered_runs(probed, feeds, workers):
         norms: dict[str, float] = {}  # each fp32 output's squared norm, once per feed
         for method, (_, need, outs) in probes.items():
-            got = ort_run(sessions[method], {x: cap[x] for x in need}, stage=STAGE)
+            got = by_method.pop(method)
             for layer, o in outs.items():
                 if o not in norms:
                     norms[o] = _square_sum(np.array(cap[o], dtype=np.float32))
@@ -394,14 +423,15 @@ def _square_sum(x: np.ndarray) -> float:
     return float(x.sum(dtype=np.float64))
 
 
-def _capturing_session(model: onnx.ModelProto, names: list[str]) -> Callable[[dict], dict]:
-    """feed -> {name: array} of the fp32 model's tensors ``names`` (graph inputs included), from one session."""
+def _capturing_session(model: onnx.ModelProto, names: list[str], threads: int = 0) -> Callable[[dict], dict]:
+    """feed -> {name: array} of the fp32 model's tensors ``names`` (graph inputs included), from one session (of
+    ``threads`` threads; 0: ONNX Runtime's default)."""
     m = onnx.ModelProto()
     m.CopyFrom(model)
     inputs = {i.name for i in m.graph.input}
     have = {o.name for o in m.graph.output}
     m.graph.output.extend(onnx.ValueInfoProto(name=n) for n in names if n not in have and n not in inputs)
-    session = ort_session(m.SerializeToString(), stage=STAGE)
+    session = ort_session(m.SerializeToString(), stage=STAGE, threads=threads)
     outs = [o.name for o in session.get_outputs()]
 
     def capture(feed: dict) -> dict:

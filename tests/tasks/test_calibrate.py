@@ -183,7 +183,9 @@ def test_det_budget_takes_the_range_that_loses_least(det_budget, det_auto):
 def test_the_search_figure_is_the_written_graphs(det_data, det_auto):
     """The search's figures (pooled cosine, its standard error, the worst held-out feed) are those of the graph it
     writes, run on its own on the search's feeds (the search takes them from its switchable graph where that gives
-    the written graph's outputs)."""
+    the written graph's outputs). Within 1e-5: the search runs its pages two at a time on a thread each, and ONNX
+    Runtime's sums on one thread and on two can round one int8 step of one element apart (1.2e-6 of this cosine);
+    a graph other than the one written (its fp32-remainder sibling) is 1e-4 to 1e-2 away."""
     from tasks.emulate import precision_runner
     from tasks.metrics import pooled_estimate, pooled_sums, worst_feed_cosine
     from tasks.ort import ort_runner
@@ -195,8 +197,8 @@ def test_the_search_figure_is_the_written_graphs(det_data, det_auto):
     cos, se, bound = pooled_estimate([pooled_sums(r, o) for r, o in zip(refs, outs)])
     m = det_auto.metrics
     assert m["search_samples"] == len(feeds), m
-    assert m["search_cosine"] == pytest.approx(cos, abs=1e-6) and m["search_cosine_se"] == pytest.approx(se, abs=1e-6)
-    assert m["search_cosine_worst_feed"] == pytest.approx(worst_feed_cosine(outs[:2], refs[:2]), abs=1e-6)
+    assert m["search_cosine"] == pytest.approx(cos, abs=1e-5) and m["search_cosine_se"] == pytest.approx(se, abs=1e-5)
+    assert m["search_cosine_worst_feed"] == pytest.approx(worst_feed_cosine(outs[:2], refs[:2]), abs=1e-5)
 
 
 def test_det_int8_graphs_build_for_sm86(det_all, det_budget):

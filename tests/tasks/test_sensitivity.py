@@ -70,10 +70,11 @@ def test_the_switchable_session_computes_the_written_graph(tmp_path, high):
     assert np.abs(full - run(feeds[1])["y"]).max() > 1e-3  # and quantizing does change the output
 
 
-def test_a_judgement_refused_early_is_one_the_whole_set_refuses():
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_judgement_refused_early_is_one_the_whole_set_refuses(workers):
     """meets_target stops running feeds once those run cannot reach the target whatever the rest gives (their error
     alone, against the standard error's floor): its verdict is always the full estimate's, and refusing takes fewer
-    runs than the feeds."""
+    runs than the feeds. Feeds run two at a time give the same verdicts and figures."""
     from tasks.metrics import pooled_estimate, pooled_sums
     from tasks.sensitivity import meets_target, output_norms
 
@@ -86,9 +87,10 @@ def test_a_judgement_refused_early_is_one_the_whole_set_refuses():
         bound = pooled_estimate([pooled_sums(r, o) for r, o in zip(refs, outs)], 1.0)[2]
         for target in (bound - 1e-4, bound + 1e-4, rng.uniform(0.95, 1.0)):
             ran = []
-            ok, _ = meets_target(lambda f: (ran.append(1), outs[f["k"]])[1], [{"k": k} for k in range(12)], refs,
-                                 target, {}, output_norms(refs), 1.0)
+            ok, last = meets_target(lambda f: (ran.append(1), outs[f["k"]])[1], [{"k": k} for k in range(12)], refs,
+                                    target, {}, output_norms(refs), 1.0, workers=workers)
             assert ok == (bound >= target), (trial, bound, target)
+            assert last is None or last[2] == bound  # every feed ran: the figure of the whole set, summed in order
             early += len(ran) < 12
     assert early > 100
 
