@@ -93,11 +93,12 @@ def ordered_runs(run: Callable, items, workers: int, keep: Callable | None = Non
     """``run(item)`` for each of ``items`` in order, up to ``workers`` of them running at once (ONNX Runtime releases
     the GIL while it runs). Runs of a session with fewer threads each (``run_workers``): a session's threads sleep
     between the parallel parts of its nodes (no spinning), and a graph of many small nodes waits on their wake-ups;
-    two single-threaded runs at once wait on none (the accuracy search's switchable graph of PP-OCRv4 det, ~1300 nodes:
-    0.103-0.114 s a page against 0.113-0.145 s one run at a time on two threads, on an idle 2-core host). The results
-    are those of one run at a time of the same session. A consumer that stops early leaves nothing running: the runs
-    started ahead are finished, and ``keep(item, result)`` gets each (a judgement refused after a few feeds keeps the
-    run ahead for the next judgement of the same candidate)."""
+    two single-threaded runs at once wait on none (the accuracy search's switchable graph of PP-OCRv4 det, ~1300 nodes,
+    on an idle 2-core host, 4 alternating rounds: 0.104-0.128 s a page against 0.110-0.145 s one run at a time on two
+    threads). The results are those of one run at a time of the same session. A consumer that stops early leaves
+    nothing running: the runs started ahead are finished, and ``keep(item, result)`` gets each (a judgement refused
+    after a few feeds keeps the run ahead for the next judgement of the same candidate). ``run`` must not wait on
+    ``ordered_runs`` itself (its runs share one pool of RUN_WORKERS threads)."""
     global _POOL
     if workers <= 1:
         for item in items:
