@@ -26,7 +26,7 @@ from typing import Callable
 import numpy as np
 
 from .errors import StageError, cause
-from .ort import ordered_runs, run_workers
+from .ort import ordered_runs, ort_session, run_workers
 from .qdq import QUANT_OPS, RESIDUAL_OPS, quantized_activations
 
 STAGE = "calibrate"
@@ -126,15 +126,9 @@ def _calibrate(model_path: Path, feeds, method: str, work: Path, on_sample=None)
 def _calibration_run(cal, threads: int) -> Callable[[dict], dict]:
     """feed -> {tensor: [its values]} of the tensors ``cal`` (ORT's HistogramCalibrater) calibrates, as its
     collect_data gives them to the collector: its augmented model without graph optimizations (as its own session
-    runs it), on a session of ``threads`` threads."""
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.log_severity_level = 4
-    so.intra_op_num_threads = threads
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    session = ort.InferenceSession(cal.augmented_model_path, so, providers=["CPUExecutionProvider"])
+    runs it), on a session of ``threads`` threads that takes the place of its own."""
+    session = cal.infer_session = ort_session(Path(cal.augmented_model_path), optimization="none", threads=threads,
+                                              stage=STAGE)
     inputs = {i.name for i in session.get_inputs()}
     names = [o.name for o in session.get_outputs()]
     wanted = set(cal.tensors_to_calibrate)
