@@ -334,6 +334,19 @@ def test_int8_from_calibration_data_is_quantized_validated_and_cached_across_tar
     assert s3["engine"]["sha256"] == s2["engine"]["sha256"]
 
 
+def test_the_cli_ends_when_an_int8_build_is_done(user_config_dir, tiny_calibration, tmp_path):
+    """An int8 build with an accuracy budget runs its calibration two pages at a time (tasks/ort.ordered_runs): the
+    CLI still ends as soon as the build is published (it joins every thread that is not a daemon before it exits; a
+    thread pool's workers held it up forever)."""
+    r = cli(["--config-dir", str(user_config_dir), "model=tiny", "precision=int8", "target=sm_86",
+             f"calibration.data={tiny_calibration}", "accuracy.min_cosine=0.98", "stages.benchmark=false",
+             f"out_dir={tmp_path / 'out'}",
+             f"cache_dir={tmp_path / 'cache'}"], tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    s = json.loads((tmp_path / "out" / "tiny" / "sm_86" / "int8" / "summary.json").read_text())
+    assert s["status"] == "ok" and s["stages"]["calibrate"]["status"] == "ok"
+
+
 @pytest.mark.slow
 def test_ppocr_det_int8_meets_the_budget_with_most_layers_int8_and_rebuilds_from_cache(prefect_harness, tmp_path):
     """Issue 3's bar: calibration on text images, accuracy.min_cosine=0.99 met with at least half the conv FLOPs int8;
