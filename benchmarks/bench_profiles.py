@@ -4,7 +4,7 @@ The traffic: benchmarks/traffic_data.py (document pages from phones and scanners
 1..4, 20 009 requests). The model: the default det model (PP-OCRv4 det, fp32 graph). Compared, for
 - wide: the profile in conf/model/ppocr_det.yaml (min 1x3x32x32, opt 1x3x640x640, max 4x3x1280x1280), the usual
   hand-written guess;
-- proposed: what `python -m flows.profiles model=ppocr_det traffic.source=...` proposes (tasks/traffic.py);
+- proposed: what `python -m flows.profiles model=ppocr_det traffic.source=...` proposes (tasks/data/traffic.py);
 columns:
 - requests covered (a request outside every profile fails at run time);
 - activation memory at max (MiB): peak live intermediate tensors at each profile's max, fp32, ONNX shape inference
@@ -45,11 +45,11 @@ def main() -> int:
     ap.add_argument("--target-cc", default="8.6")
     args = ap.parse_args()
 
-    from tasks.backend import Backend
-    from tasks.flops import onnx_flops
-    from tasks.graph import load_onnx
-    from tasks.models import graph_io, resolve_source
-    from tasks.traffic import activation_mib, check_given, propose, read_traffic, serving
+    from tasks.trt.backend import Backend
+    from tasks.trt.network import onnx_flops
+    from tasks.graph.edit import load_onnx
+    from tasks.graph.models import graph_io, resolve_source
+    from tasks.data.traffic import activation_mib, check_given, propose, read_traffic, serving
 
     path = resolve_source(SOURCE)
     model = load_onnx(path)

@@ -1,4 +1,4 @@
-"""The engine runner (tasks/runtime.py) against the raw TensorRT call it wraps, on a GPU of a TensorRT-RTX target.
+"""The engine runner (tasks/trt/runtime.py) against the raw TensorRT call it wraps, on a GPU of a TensorRT-RTX target.
 
     .venv/bin/python benchmarks/bench_runtime.py [--model ppocr_det] [--shape 1,3,480,480] [--iterations 50]
 
@@ -27,7 +27,7 @@ CCS = ("7.5", "8.0", "8.6", "8.9", "12.0", "12.1")
 
 def raw_timing(engine_bytes: bytes, backend, feed: dict[str, np.ndarray], iterations: int) -> dict:
     """The plain TensorRT + CUDA runtime calls, no checks beyond the return codes."""
-    from tasks.runtime import Cuda
+    from tasks.trt.runtime import Cuda
 
     cuda, trt = Cuda("benchmark"), backend.trt
     cuda("cudaFree", 0)
@@ -65,7 +65,7 @@ def raw_timing(engine_bytes: bytes, backend, feed: dict[str, np.ndarray], iterat
 
 
 def main() -> int:
-    from tasks.backend import Backend, gpu_for, no_gpu_reason
+    from tasks.trt.backend import Backend, gpu_for, no_gpu_reason
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="ch_PP-OCRv4_det_infer.onnx")
@@ -76,9 +76,9 @@ def main() -> int:
     if cc is None:
         print(f"bench_runtime: {no_gpu_reason('/'.join(CCS))}; nothing to time here")
         return 0
-    from tasks.build import engine_from_onnx, onnx_at_precision
-    from tasks.models import resolve_source
-    from tasks.runtime import EngineRunner
+    from tasks.build.engines import engine_from_onnx, onnx_at_precision
+    from tasks.graph.models import resolve_source
+    from tasks.trt.runtime import EngineRunner
 
     backend = Backend("tensorrt_rtx")
     shape = [int(x) for x in a.shape.split(",")]

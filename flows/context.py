@@ -12,24 +12,24 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from tasks.datasets import DataSplit
-from tasks.deps import STAGE_LIBRARIES, library_versions, merge_deps
-from tasks.errors import TrtforgeError
-from tasks.util import StageResult
+from tasks.data.datasets import DataSplit
+from tasks.common.deps import STAGE_LIBRARIES, library_versions, merge_deps
+from tasks.common.errors import TrtforgeError
+from tasks.common.util import StageResult
 
 TRTFORGE_VERSION = "0.1.0"
 
 
 def _code_fingerprint() -> str:
-    """Hash of the stage code (tasks/*.py and the flows modules that shape stage outputs): part of every cache key, so
-    a changed conversion, calibration or check never serves an output made by the old code (like Prefect's
-    TASK_SOURCE policy)."""
+    """Hash of the stage code (every module under tasks/, subpackages included, and the flows modules that shape stage
+    outputs): part of every cache key, so a changed conversion, calibration or check never serves an output made by
+    the old code (like Prefect's TASK_SOURCE policy)."""
     h = hashlib.sha256()
     here = Path(__file__).resolve()
-    files = sorted(here.parents[1].joinpath("tasks").glob("*.py")) + [here, here.with_name("stages.py"),
-                                                                      here.with_name("runners.py")]
+    tasks = here.parents[1] / "tasks"
+    files = sorted(tasks.rglob("*.py")) + [here, here.with_name("stages.py"), here.with_name("runners.py")]
     for f in files:
-        h.update(f.name.encode())
+        h.update(str(f.relative_to(here.parents[1])).encode())
         h.update(f.read_bytes())
     return h.hexdigest()[:16]
 
@@ -40,15 +40,15 @@ CODE = _code_fingerprint()
 @dataclass
 class BuildInputs:
     """What preflight found out about a build before any heavy step."""
-    backend: Any  # tasks.backend.Backend
-    inputs: list  # tasks.models.TensorInfo of the model's remaining inputs
+    backend: Any  # tasks.trt.backend.Backend
+    inputs: list  # tasks.graph.models.TensorInfo of the model's remaining inputs
     outputs: list
     profiles: list[dict]
-    rules: Any  # tasks.profiles.ShapeRules
+    rules: Any  # tasks.data.profiles.ShapeRules
     search: list[Path]  # where relative model sources resolve (the user's config dir)
     prequantized: dict | None  # the quantization the model arrived with (Q/DQ, dynamic, QLinear), else None
     data: DataSplit  # calibration / search / validation sets
-    traffic: Any = None  # (tasks.traffic.Traffic, Proposal) when model.traffic is set
+    traffic: Any = None  # (tasks.data.traffic.Traffic, Proposal) when model.traffic is set
 
 
 @dataclass

@@ -6,8 +6,8 @@ import contextlib
 from pathlib import Path
 
 from flows.context import BuildContext
-from tasks.build import engines_of
-from tasks.util import StageResult
+from tasks.build.engines import engines_of
+from tasks.common.util import StageResult
 
 
 def deliverable(ctx: BuildContext) -> StageResult:
@@ -20,11 +20,11 @@ def candidate_runner(ctx: BuildContext, runners: contextlib.ExitStack | None = N
                      cuda_graph: bool = False):
     """The model as it will run: per TensorRT segment the engine (with `runners`: on a GPU, closed with it) or its
     precision graph in ONNX Runtime, the native segments of a hybrid model in ONNX Runtime between them."""
-    from tasks.backend import gpu_for
-    from tasks.emulate import precision_runner
-    from tasks.ort import ort_runner
-    from tasks.runtime import EngineRunner, runtime_cache_file
-    from tasks.segments import composed_runner
+    from tasks.trt.backend import gpu_for
+    from tasks.onnxrt.emulate import precision_runner
+    from tasks.onnxrt.ort import ort_runner
+    from tasks.trt.runtime import EngineRunner, runtime_cache_file
+    from tasks.partition.segments import composed_runner
 
     by_segment = {i: (eng, onnx) for i, eng, onnx in engines_of(deliverable(ctx))}
     cache = runtime_cache_file(ctx.cfg.cache_dir, ctx.cfg.target.name, ctx.backend.version)
@@ -40,8 +40,8 @@ def candidate_runner(ctx: BuildContext, runners: contextlib.ExitStack | None = N
             return runners.enter_context(EngineRunner(Path(eng).read_bytes(), ctx.backend, runtime_cache=cache,
                                                       cuda_graph=cuda_graph, stage=stage,
                                                       pci_bus_id=gpu.pci_bus_id if gpu else None)).infer
-        # fp16 values rounded as TensorRT stores them (tasks/emulate.py: ONNX Runtime's CPU kernels would compute most
-        # fp16 ops in fp32); Q/DQ as written (tasks/ort.py: a graph with Q/DQ runs at most at ONNX Runtime's basic
+        # fp16 values rounded as TensorRT stores them (tasks/onnxrt/emulate.py: ONNX Runtime's CPU kernels would compute most
+        # fp16 ops in fp32); Q/DQ as written (tasks/onnxrt/ort.py: a graph with Q/DQ runs at most at ONNX Runtime's basic
         # level, never fused into integer kernels, nor a weight-only DequantizeLinear -> MatMul turned into dynamic
         # quantization of the activations, which TensorRT's weight-only layers never do)
         return precision_runner(onnx, arena=not hybrid)[0]

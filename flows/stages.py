@@ -1,7 +1,7 @@
 """The glue between the flow and the pure stages in tasks/: per stage, what its cache key holds, which task function
-it calls, and what it records. Policy lives in tasks/ (the data split in tasks/datasets.py, the search target in
-tasks/search.py, the verdict in tasks/validate.py, control-flow fallback in tasks/partition.py, segment composition in
-tasks/segments.py); the context that runs a stage is flows/context.py."""
+it calls, and what it records. Policy lives in tasks/ (the data split in tasks/data/datasets.py, the search target in
+tasks/search/restore.py, the verdict in tasks/evaluate/validate.py, control-flow fallback in tasks/partition/partition.py, segment composition in
+tasks/partition/segments.py); the context that runs a stage is flows/context.py."""
 from __future__ import annotations
 
 import contextlib
@@ -11,12 +11,12 @@ from typing import Callable
 from flows.config import paddle_cache
 from flows.context import BuildContext, Skip, sample_progress
 from flows.runners import candidate_runner, deliverable
-from tasks import backend as trt_backend
-from tasks.build import engines_of, same_graph
-from tasks.errors import SegmentBuildError, StageError, TrtforgeError
-from tasks.export import constants_text
-from tasks.partition import REDUCE_BUILD_SECONDS
-from tasks.util import StageResult, sha256_file
+from tasks.trt import backend as trt_backend
+from tasks.build.engines import engines_of, same_graph
+from tasks.common.errors import SegmentBuildError, StageError, TrtforgeError
+from tasks.sources.export import constants_text
+from tasks.partition.partition import REDUCE_BUILD_SECONDS
+from tasks.common.util import StageResult, sha256_file
 
 STAGE_NAMES = ("export", "partition", "build", "calibrate", "validate", "benchmark")
 
@@ -34,7 +34,7 @@ def prequantized(ctx: BuildContext) -> dict | None:
 # --- the six stages ------------------------------------------------------------------------------------------
 
 def export(ctx: BuildContext) -> StageResult:
-    from tasks.export import onnx_from_model, source_fingerprint
+    from tasks.sources.export import onnx_from_model, source_fingerprint
 
     m, profiles = ctx.c("model"), ctx.inputs.profiles
     parts = {"source": source_fingerprint(m, ctx.inputs.search), "format": m["format"], "factory": m["factory"],
@@ -50,7 +50,7 @@ def export(ctx: BuildContext) -> StageResult:
 
     r = ctx.cached("export", parts, work)
     if r.details.get("weight_only"):
-        from tasks.woq import weight_only_note
+        from tasks.prequant.weight_only import weight_only_note
         ctx.stages.setdefault("export", {})["note"] = weight_only_note(r.details["weight_only"])
     if m["constants"]:
         ctx.warn("export", f"the engine is specialised for {constants_text(m['constants'])} (model.constants): those inputs "
@@ -62,8 +62,8 @@ def export(ctx: BuildContext) -> StageResult:
 
 
 def partition(ctx: BuildContext, partition_cfg: dict | None = None) -> StageResult:
-    from tasks.inputs import generated_feeds
-    from tasks.partition import plan_from_onnx
+    from tasks.data.inputs import generated_feeds
+    from tasks.partition.partition import plan_from_onnx
 
     onnx_r, i = ctx.results["export"], ctx.inputs
     partition_cfg = partition_cfg or ctx.c("partition")
@@ -83,7 +83,7 @@ def partition(ctx: BuildContext, partition_cfg: dict | None = None) -> StageResu
 
 
 def trt_segments(ctx: BuildContext) -> list[dict]:
-    from tasks.segments import trt_segments as segments
+    from tasks.partition.segments import trt_segments as segments
 
     plan = ctx.results["partition"]
     return segments(plan.details, plan.files, ctx.results["export"].files["onnx"], ctx.inputs.profiles)
@@ -94,7 +94,7 @@ MAX_REPLANS = 4  # builds re-planned after a failure, at most
 
 def build(ctx: BuildContext) -> StageResult:
     """The baseline engine(s), one per TensorRT segment: fp32 or fp16 graph (int8/fp8: quantized ones in calibrate).
-    A segment TensorRT cannot build runs what fails in ONNX Runtime, re-planned and said (tasks.partition.build_fallback).
+    A segment TensorRT cannot build runs what fails in ONNX Runtime, re-planned and said (tasks.partition.partition.build_fallback).
     int8/fp8: built only where the benchmark times the quantized engine against it (a GPU of the target's compute
     capability); elsewhere calibrate's engine build is the one that re-plans."""
     if ctx.cfg.precision.quantized and not prequantized(ctx) and not baseline_timed(ctx):
@@ -117,11 +117,11 @@ def baseline_timed(ctx: BuildContext) -> bool:
 def with_replans(ctx: BuildContext, attempt: Callable[[], StageResult],
                  on: type[StageError] = StageError) -> StageResult:
     """``attempt()`` (engines built from the current plan); when it fails with ``on`` (TensorRT could not build a
-    segment), the plan that runs what failed in ONNX Runtime (tasks.partition.build_fallback, at most MAX_REPLANS times)
+    segment), the plan that runs what failed in ONNX Runtime (tasks.partition.partition.build_fallback, at most MAX_REPLANS times)
     and ``attempt()`` again on it; the re-plans said in the partition stage's note."""
-    from tasks.build import build_error
-    from tasks.inputs import generated_feeds
-    from tasks.partition import build_fallback
+    from tasks.build.engines import build_error
+    from tasks.data.inputs import generated_feeds
+    from tasks.partition.partition import build_fallback
 
     i, notes, cfg, t = ctx.inputs, [], ctx.c("partition"), ctx.cfg.target
     for n in range(MAX_REPLANS + 1):
@@ -167,13 +167,13 @@ def _bisect_progress(show: bool, replan: int):
 
 
 def _build_engines(ctx: BuildContext) -> StageResult:
-    from tasks.build import add_metrics, as_baseline, onnx_at_precision
-    from tasks.fp16search import searched_segments
-    from tasks.graph import load_onnx
-    from tasks.precision import fp16_hazards_from_data
-    from tasks.prequant import precision_for
-    from tasks.search import search_target
-    from tasks.segments import all_segment_feeds
+    from tasks.build.engines import add_metrics, as_baseline, onnx_at_precision
+    from tasks.fp16.search import searched_segments
+    from tasks.graph.edit import load_onnx
+    from tasks.fp16.convert import fp16_hazards_from_data
+    from tasks.prequant.rewrite import precision_for
+    from tasks.search.restore import search_target
+    from tasks.partition.segments import all_segment_feeds
 
     t, q = ctx.cfg.target, prequantized(ctx)  # a quantized model keeps it; its float part is what precision says
     p = ctx.cfg.precision
@@ -260,7 +260,7 @@ def _build_engines(ctx: BuildContext) -> StageResult:
 
 
 def fp16_searchable(ctx: BuildContext) -> bool:
-    """Whether this build may search the nodes to keep fp32 at fp16 (tasks/fp16search.py): fp16 from a float model,
+    """Whether this build may search the nodes to keep fp32 at fp16 (tasks/fp16/search.py): fp16 from a float model,
     calibration.search on, held-out samples for it."""
     p, q = ctx.cfg.precision, prequantized(ctx)
     return p.name == "fp16" and not q and bool(ctx.cfg.calibration.search) and ctx.data.search is not None
@@ -281,7 +281,7 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
     if not p.quantized:
         raise Skip(f"precision {p.name} needs no calibration")
     if prequantized(ctx):
-        from tasks.prequant import describe
+        from tasks.prequant.rewrite import describe
         raise Skip(f"the model is already quantized ({describe(prequantized(ctx))})")
     # only the engine build re-plans (an accuracy or calibration failure is not the plan's)
     return with_replans(ctx, lambda: _calibrate(ctx), on=SegmentBuildError)
@@ -289,14 +289,14 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
 
 def _calibrate(ctx: BuildContext) -> StageResult:
     """calibrate on the current plan (with_replans tries again on a new plan where TensorRT cannot build a segment)."""
-    from tasks.calibrate import judge_feeds_of, low_share_warning, qdq_for_segments
-    from tasks.search import judged_samples, search_target
-    from tasks.segments import Rest, segment_feeds
+    from tasks.quantization.calibrate import judge_feeds_of, low_share_warning, qdq_for_segments
+    from tasks.search.restore import judged_samples, search_target
+    from tasks.partition.segments import Rest, segment_feeds
 
     p, c = ctx.cfg.precision, ctx.cfg.calibration
     cal, held = ctx.data.calibration, ctx.data.search
     segs, plan, model = trt_segments(ctx), ctx.results["partition"].details, ctx.results["export"].files["onnx"]
-    # the margin grows when few samples judge the search (held-out and calibration samples, tasks.search.judged_samples)
+    # the margin grows when few samples judge the search (held-out and calibration samples, tasks.search.restore.judged_samples)
     judged = judged_samples(held.samples if held else 0, cal.samples)
     target = search_target(ctx.cfg.accuracy.min_cosine, c.budget_margin, judged) if c.search else None
     judge = search_judge(ctx, segs, judged) if c.search else None
@@ -315,7 +315,7 @@ def _calibrate(ctx: BuildContext) -> StageResult:
         def progress(seg: int):
             return sample_progress(f"calibrating ({c.method or 'default method'}, segment {seg})", ctx.show_progress)
         # weight-only quantized weights: calibration quantizes float weights, then the model's own codes and scales
-        # go back where a layer's weight was quantized per output channel (tasks.woq)
+        # go back where a layer's weight was quantized per output channel (tasks.prequant.weight_only)
         shipped = _float_weight_segments(segs, d) if weight_only(ctx) else {}
         rest = Rest(model, plan, ctx.results["partition"].files, [o["name"] for o in ctx.results["export"].details["outputs"]],
                     judge_feeds_of(cal.feeds, held.feeds if held else None)) if through else None
@@ -358,14 +358,14 @@ def _calibrate(ctx: BuildContext) -> StageResult:
 
 
 def accuracy_metric(ctx: BuildContext):
-    """The metric of ``accuracy`` (tasks/accuracy.py): a user function imported from the working or config dir."""
-    from tasks.accuracy import from_config
+    """The metric of ``accuracy`` (tasks/accuracy/metric.py): a user function imported from the working or config dir."""
+    from tasks.accuracy.metric import from_config
 
     return from_config(ctx.cfg.accuracy, ctx.inputs.search)
 
 
 def metric_fingerprint(ctx: BuildContext) -> dict | None:
-    from tasks.accuracy import fingerprint
+    from tasks.accuracy.metric import fingerprint
 
     return fingerprint(ctx.cfg.accuracy, ctx.inputs.search)
 
@@ -376,9 +376,9 @@ def search_judge(ctx: BuildContext, segs: list[dict], samples: int | None, stage
     the one TensorRT segment computes the model's outputs from its inputs; else (fp16 of a model split into segments)
     the cosine of each segment's outputs, said once. ``samples``: how many judge it (the margin grows below 8; None:
     the margin as given)."""
-    from tasks.models import graph_io
-    from tasks.graph import load_onnx
-    from tasks.search import search_target
+    from tasks.graph.models import graph_io
+    from tasks.graph.edit import load_onnx
+    from tasks.search.restore import search_target
 
     metric = accuracy_metric(ctx)
     margin = search_target(0.0, ctx.cfg.calibration.budget_margin, samples)  # the share of the error held in reserve
@@ -392,14 +392,14 @@ def search_judge(ctx: BuildContext, segs: list[dict], samples: int | None, stage
     ctx.warn(stage, f"the model runs in {len(segs)} TensorRT segment(s) with parts in ONNX Runtime: the accuracy "
                           f"search judges each segment's own outputs by cosine (accuracy.min_cosine); "
                           f"accuracy.metric={metric.name} gates validate")
-    from tasks.accuracy import Metric
+    from tasks.accuracy.metric import Metric
     return Metric(min_cosine=ctx.cfg.accuracy.min_cosine).judge(margin)
 
 
 def logit_runners(ctx: BuildContext, reference: Path, candidates: list, identical: bool) -> dict | None:
     """For outputs from a final Softmax/Sigmoid/LogSoftmax: runners of the reference and candidate graphs that also
     return the logits (the op's input), or the reason the candidate's cannot be read."""
-    from tasks.accuracy import final_activations, with_outputs
+    from tasks.accuracy.metric import final_activations, with_outputs
 
     finals = final_activations(reference)
     if not finals or identical:
@@ -407,9 +407,9 @@ def logit_runners(ctx: BuildContext, reference: Path, candidates: list, identica
     names = [f["logits"] for f in finals.values()]
     if len(candidates) != 1 or ctx.results["partition"].details.get("hybrid"):
         return {"finals": finals, "reason": "the model runs in several segments: its logits are not one graph's values"}
-    from tasks.emulate import precision_runner
-    from tasks.ort import ort_runner
-    from tasks.graph import load_onnx
+    from tasks.onnxrt.emulate import precision_runner
+    from tasks.onnxrt.ort import ort_runner
+    from tasks.graph.edit import load_onnx
 
     cand = load_onnx(candidates[0][2])
     values = {o for n in cand.graph.node for o in n.output}
@@ -430,9 +430,9 @@ def weight_only(ctx: BuildContext) -> int:
 def _float_weight_segments(segs: list[dict], d: Path) -> dict[int, tuple[Path, dict]]:
     """Each segment with weight-only DequantizeLinear nodes, its weights folded to float (for calibration): index ->
     (ONNX file, the model's codes and scales by weight)."""
-    from tasks.export import save_onnx
-    from tasks.graph import load_onnx
-    from tasks.woq import float_weights
+    from tasks.sources.export import save_onnx
+    from tasks.graph.edit import load_onnx
+    from tasks.prequant.weight_only import float_weights
 
     out = {}
     for s in segs:
@@ -447,9 +447,9 @@ def _float_weight_segments(segs: list[dict], d: Path) -> dict[int, tuple[Path, d
 
 def _keep_weight_scales(r: StageResult, shipped: dict[int, tuple[Path, dict]]) -> dict:
     """The model's own int8 weights back into each quantized segment; {"restored": n, "weights": n}."""
-    from tasks.export import save_onnx
-    from tasks.graph import load_onnx
-    from tasks.woq import keep_weight_scales
+    from tasks.sources.export import save_onnx
+    from tasks.graph.edit import load_onnx
+    from tasks.prequant.weight_only import keep_weight_scales
 
     restored = 0
     for i, (path, kept) in shipped.items():
@@ -464,7 +464,7 @@ def _keep_weight_scales(r: StageResult, shipped: dict[int, tuple[Path, dict]]) -
 
 def engines_for(ctx: BuildContext, segs: list[dict], graphs: dict[int, Path], label: str, precision: str, d: Path,
                 stage: str) -> StageResult:
-    from tasks.build import engines_for_segments
+    from tasks.build.engines import engines_for_segments
 
     t = ctx.cfg.target
     return engines_for_segments(segs, graphs, f"{ctx.cfg.model.name}.{t.name}.{label}", t.compute_capability,
@@ -473,11 +473,11 @@ def engines_for(ctx: BuildContext, segs: list[dict], graphs: dict[int, Path], la
 
 
 def validate(ctx: BuildContext) -> StageResult:
-    from tasks.datasets import describe_thin
-    from tasks.calibrate import search_fix
-    from tasks.emulate import emulation_label
-    from tasks.prequant import accuracy_fix
-    from tasks.validate import gate, validate_onnx
+    from tasks.data.datasets import describe_thin
+    from tasks.quantization.calibrate import search_fix
+    from tasks.onnxrt.emulate import emulation_label
+    from tasks.prequant.rewrite import accuracy_fix
+    from tasks.evaluate.validate import gate, validate_onnx
 
     if not ctx.cfg.stages.validate:
         raise Skip("disabled (stages.validate=false)")
@@ -520,8 +520,8 @@ def validate(ctx: BuildContext) -> StageResult:
         evidence = [w for w in (describe_thin(val),) if w]
         labels = None
         if ctx.cfg.validation.labels:
-            from tasks.accuracy import labels_per_feed, load_labels
-            from tasks.inputs import batch_size
+            from tasks.accuracy.metric import labels_per_feed, load_labels
+            from tasks.data.inputs import batch_size
             labels = labels_per_feed(load_labels(ctx.cfg.validation.labels, sum(batch_size(f) for f in val.feeds)),
                                      val.feeds)
         with contextlib.ExitStack() as runners:
@@ -539,7 +539,7 @@ def validate(ctx: BuildContext) -> StageResult:
                     raise
                 r = e.result
             if shipped and dequantized:  # how far the float model the engine computes is from the model as shipped
-                from tasks.prequant import dequantized_vs_shipped
+                from tasks.prequant.rewrite import dequantized_vs_shipped
                 r.metrics["dequantized_vs_shipped_cosine_min"] = dequantized_vs_shipped(ref.files["onnx"], reference,
                                                                                         val.feeds)
             return r
@@ -551,7 +551,7 @@ def validate(ctx: BuildContext) -> StageResult:
         ctx.warn("validate", w)
     apart = r.metrics.get("dequantized_vs_shipped_cosine_min")
     if apart is not None:
-        from tasks.prequant import dequantized_fix
+        from tasks.prequant.rewrite import dequantized_fix
         fix = dequantized_fix(apart, val.kind == "random", ctx.cfg.accuracy.min_cosine)
         if not r.details["passed"]:
             ctx.warn("validate", fix)
@@ -560,9 +560,9 @@ def validate(ctx: BuildContext) -> StageResult:
 
 
 def benchmark(ctx: BuildContext) -> StageResult:
-    from tasks.benchmark import baseline_note, benchmark_model, engine_timing, host_info
-    from tasks.inputs import generated_feeds
-    from tasks.runtime import EngineRunner, runtime_cache_file
+    from tasks.evaluate.benchmark import baseline_note, benchmark_model, engine_timing, host_info
+    from tasks.data.inputs import generated_feeds
+    from tasks.trt.runtime import EngineRunner, runtime_cache_file
 
     if not ctx.cfg.stages.benchmark:
         raise Skip("disabled (stages.benchmark=false)")

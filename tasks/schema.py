@@ -43,7 +43,7 @@ class ImageRecipe:
 
 @dataclass
 class TrafficConfig:
-    """The shapes a service sees (tasks/traffic.py): the profiles are proposed from them, data drawn from their mix."""
+    """The shapes a service sees (tasks/data/traffic.py): the profiles are proposed from them, data drawn from their mix."""
 
     # a .jsonl of request shapes ({"x": [1, 3, 736, 1312], "count": 42}) or a folder of .npz/.npy; None: no traffic
     source: Optional[str] = None
@@ -128,7 +128,7 @@ class ValidationConfig:
 
 @dataclass
 class AccuracyConfig:
-    """The metric that gates validate, the accuracy search and the scheduled rebuild (tasks/accuracy.py)."""
+    """The metric that gates validate, the accuracy search and the scheduled rebuild (tasks/accuracy/metric.py)."""
 
     # cosine | allclose | top1 | module:function (the user's, in the working dir or the config dir, called per batch
     # as fn(outputs, references, feeds) -> (score, passed))

@@ -25,7 +25,7 @@ PKG_MODELS = "pkg://rapidocr_onnxruntime/models/"
 
 
 def pkg_model(name: str) -> Path:
-    from tasks.models import resolve_source
+    from tasks.graph.models import resolve_source
 
     return resolve_source(PKG_MODELS + name)
 

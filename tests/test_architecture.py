@@ -60,7 +60,7 @@ def test_no_import_cycle_between_project_modules():
         deps = set()
         for mod, node in _imports(p):
             if mod.split(".")[0] in ("tasks", "flows"):
-                if isinstance(node, ast.ImportFrom) and mod in ("tasks", "flows", "flows.local"):  # from tasks import backend
+                if isinstance(node, ast.ImportFrom) and mod in ("tasks", "flows", "flows.local"):  # from tasks.trt import backend as backend
                     deps |= {f"{mod}.{a.name}" for a in node.names}
                 else:
                     deps.add(mod)
@@ -90,7 +90,7 @@ def test_import_linter_contracts_hold():
 
 
 def test_importing_the_stages_loads_neither_tensorrt_nor_prefect():
-    code = ("import sys, tasks.export, tasks.partition, tasks.build, tasks.validate, tasks.benchmark, tasks.calibrate; "
+    code = ("import sys, tasks.sources.export, tasks.partition.partition, tasks.build.engines, tasks.evaluate.validate, tasks.evaluate.benchmark, tasks.quantization.calibrate; "
             "print(sorted(m for m in ('prefect','mlflow','tensorrt_rtx_bindings','torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO).stdout.strip()
     assert out == "[]"

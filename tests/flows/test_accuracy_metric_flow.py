@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from flows.config import compose_config
-from tasks.errors import ConfigError
+from tasks.common.errors import ConfigError
 from tests.tasks.test_accuracy import MINORITY, make_softmax_classifier
 
 PROFILE = "profiles:\n  - x: {min: [1, 3, 16, 16], opt: [4, 3, 16, 16], max: [8, 3, 16, 16]}\n"

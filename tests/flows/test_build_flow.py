@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from flows.config import compose_config
-from tasks.util import sha256_file
+from tasks.common.util import sha256_file
 from tests.conftest import model_conf
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,7 +64,7 @@ def test_user_model_builds_a_real_engine_with_an_ok_summary(tiny_build):
 
 
 def test_the_summary_says_what_each_number_measured(tiny_build):
-    from tasks.backend import host_gpus
+    from tasks.trt.backend import host_gpus
 
     _, s, _ = tiny_build
     m, v = s["metrics"], s["versions"]
@@ -394,7 +394,7 @@ def test_hybrid_int8_quantizes_inside_the_tensorrt_subgraphs(prefect_harness, hy
 
 
 def _gpu_target():
-    from tasks.backend import gpu_for
+    from tasks.trt.backend import gpu_for
 
     return next((f"sm_{cc.replace('.', '')}" for cc in ("7.5", "8.0", "8.6", "8.9", "12.0", "12.1") if gpu_for(cc)), None)
 

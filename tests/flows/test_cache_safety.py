@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from flows.cache import StageCache, remove_dead_temps, temp_name
-from tasks.util import StageResult
+from tasks.common.util import StageResult
 
 
 def start(tmp: Path, conf: Path, *extra: str) -> subprocess.Popen:

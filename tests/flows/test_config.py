@@ -2,7 +2,7 @@
 import pytest
 
 from flows.config import compose_config, preflight
-from tasks.errors import ConfigError
+from tasks.common.errors import ConfigError
 
 
 def refused(overrides, config_dir=None) -> str:
@@ -56,8 +56,8 @@ def test_bad_input_is_refused_before_heavy_work(overrides, words, user_config_di
 
 
 def test_sm_90_needs_enterprise_tensorrt_on_that_gpu(user_config_dir):
-    from tasks.backend import gpu_for
-    from tasks.errors import UnavailableError
+    from tasks.trt.backend import gpu_for
+    from tasks.common.errors import UnavailableError
 
     if gpu_for("9.0"):
         pytest.skip("this host has an sm_90 GPU")

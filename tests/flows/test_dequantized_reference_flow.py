@@ -45,7 +45,7 @@ def test_the_user_can_pick_the_dequantized_float_form_as_the_reference(prefect_h
 
 def test_the_dequantized_reference_needs_the_dequantized_build(dyn_dir, tmp_path):
     from flows.config import compose_config, preflight
-    from tasks.errors import ConfigError
+    from tasks.common.errors import ConfigError
 
     cfg = compose_config(["model=dyn", "model.reference=dequantized", f"out_dir={tmp_path}"], str(dyn_dir))
     with pytest.raises(ConfigError, match="model.dequantize_dynamic=true"):

@@ -10,7 +10,7 @@ import pytest
 
 from flows.config import compose_config
 from tests.conftest import make_conv_model
-from tasks.util import sha256_file
+from tasks.common.util import sha256_file
 
 PROFILE = "profiles:\n  - x: {min: [1, 3, 8, 8], opt: [2, 3, 16, 16], max: [4, 3, 32, 32]}\n"
 

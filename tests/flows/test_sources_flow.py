@@ -69,7 +69,7 @@ def test_dynamic_quantization_runs_natively_or_in_float_on_request(prefect_harne
     """Dynamic quantization runs in ONNX Runtime: the engines compute float, so the build is named for the float part
     (fp16 here); int8 would name a precision no engine computes and is refused with the fix; dequantized on request it
     is a float model like any other (one engine)."""
-    from tasks.errors import ConfigError
+    from tasks.common.errors import ConfigError
 
     native = build(["model=dynamic", "precision=fp16", "stages.benchmark=false"], sources_dir, tmp_path / "native")
     assert native["status"] == "ok", native.get("error")
@@ -88,7 +88,7 @@ def test_dynamic_quantization_runs_natively_or_in_float_on_request(prefect_harne
 def test_a_quantized_model_is_named_for_what_its_engine_computes(prefect_harness, sources_dir, tmp_path):
     """precision=fp16 on a model that arrives int8: its int8 layers stay int8, its float part runs in fp16 (the name
     says fp16, flops_share agrees); precision=fp32 would name an engine that computes int8: refused, exit 2, no run."""
-    from tasks.errors import ConfigError
+    from tasks.common.errors import ConfigError
 
     s = build(["model=static_u8", "precision=fp16", "stages.benchmark=false"], sources_dir, tmp_path / "fp16")
     assert s["status"] == "ok", s.get("error")

@@ -195,7 +195,7 @@ def test_a_replaced_calibration_image_or_a_library_upgrade_rebuilds(prefect_harn
 
 def test_stage_keys_hold_the_versions_of_the_libraries_that_shape_them(tmp_path):
     from flows.context import BuildContext
-    from tasks.deps import STAGE_LIBRARIES, changed, library_versions
+    from tasks.common.deps import STAGE_LIBRARIES, changed, library_versions
 
     assert {"onnxconverter-common", "ml_dtypes"} <= set(STAGE_LIBRARIES["build"])
     assert {"onnxruntime"} <= set(STAGE_LIBRARIES["calibrate"]) and "Pillow" in STAGE_LIBRARIES["data"]
@@ -209,7 +209,7 @@ def test_stage_keys_hold_the_versions_of_the_libraries_that_shape_them(tmp_path)
 def test_the_recorder_sees_reads_not_writes_nor_the_python_installation(tmp_path):
     import onnx
 
-    from tasks.deps import changed, recording
+    from tasks.common.deps import changed, recording
 
     src = tmp_path / "in.txt"
     src.write_text("x")

@@ -64,8 +64,8 @@ def woq_dir(tmp_path_factory):
 
 def test_tensorrt_refuses_the_pattern_as_written(woq_dir, tmp_path):
     """The premise: the model as shipped does not build (no test that cannot fail)."""
-    from tasks.backend import Backend
-    from tasks.errors import StageError
+    from tasks.trt.backend import Backend
+    from tasks.common.errors import StageError
 
     with pytest.raises(StageError, match="Quantized constant"):
         Backend("tensorrt_rtx").build_engine(str(woq_dir / "woq.onnx"),
@@ -75,8 +75,8 @@ def test_tensorrt_refuses_the_pattern_as_written(woq_dir, tmp_path):
 def test_the_pattern_is_exactly_a_dequantize_linear(woq_dir):
     import onnx
 
-    from tasks.ort import ort_runner
-    from tasks.woq import dequantize_cast_weights
+    from tasks.onnxrt.ort import ort_runner
+    from tasks.prequant.weight_only import dequantize_cast_weights
 
     model = onnx.load(str(woq_dir / "woq.onnx"))
     stats = dequantize_cast_weights(model)
@@ -116,9 +116,9 @@ def test_an_embedding_table_stored_int8_stays_int8_and_builds(tmp_path):
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from tasks.backend import Backend
-    from tasks.ort import ort_runner
-    from tasks.woq import dequantize_cast_weights
+    from tasks.trt.backend import Backend
+    from tasks.onnxrt.ort import ort_runner
+    from tasks.prequant.weight_only import dequantize_cast_weights
 
     rng = np.random.default_rng(0)
     inits = [numpy_helper.from_array(rng.integers(-127, 128, (500, 32)).astype(np.int8), "table_q"),

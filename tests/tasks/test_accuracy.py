@@ -1,4 +1,4 @@
-"""accuracy.metric (tasks/accuracy.py): the built-in metrics, a user function, their checks, and validate gating on
+"""accuracy.metric (tasks/accuracy/metric.py): the built-in metrics, a user function, their checks, and validate gating on
 them with a real ONNX Runtime run of a two-class softmax classifier built here."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.accuracy import Metric, final_activations, from_config, logit_report, top1_agreement, within_tolerance
-from tasks.errors import AccuracyError, ConfigError
+from tasks.accuracy.metric import Metric, final_activations, from_config, logit_report, top1_agreement, within_tolerance
+from tasks.common.errors import AccuracyError, ConfigError
 
 
 def make_softmax_classifier(path: Path, feature_weight: float = 1.0, bias_gap: float = 8.0,
@@ -110,7 +110,7 @@ def test_top1_judges_the_argmax_of_the_last_axis_and_skips_outputs_without_class
 
 
 def test_cosine_metric_is_the_pooled_cosine_validate_always_gated_on():
-    from tasks.metrics import pooled_cosine
+    from tasks.accuracy.metrics import pooled_cosine
 
     rng = np.random.default_rng(0)
     refs = [{"y": rng.standard_normal((2, 5))} for _ in range(3)]
@@ -156,7 +156,7 @@ def test_a_user_function_is_called_per_batch_and_its_failure_names_it(tmp_path):
 
 
 def test_labels_reach_a_user_function_batch_by_batch(tmp_path):
-    from tasks.accuracy import labels_per_feed, load_labels
+    from tasks.accuracy.metric import labels_per_feed, load_labels
 
     (tmp_path / "usermetric_labels.py").write_text(MINORITY)
     np.save(tmp_path / "labels.npy", np.array([0, 1, 1]))
@@ -187,9 +187,9 @@ def test_validate_gates_on_the_metric_and_reports_the_logits(tmp_path):
     import onnx
     from onnx import numpy_helper
 
-    from tasks.accuracy import with_outputs
-    from tasks.ort import ort_runner
-    from tasks.validate import validate_onnx
+    from tasks.accuracy.metric import with_outputs
+    from tasks.onnxrt.ort import ort_runner
+    from tasks.evaluate.validate import validate_onnx
 
     ref = make_softmax_classifier(tmp_path / "ref.onnx", feature_weight=5.0, bias_gap=3.5)
     m = onnx.load(str(ref))

@@ -1,6 +1,6 @@
 import numpy as np
 
-from tasks.benchmark import benchmark_model, latency_stats
+from tasks.evaluate.benchmark import benchmark_model, latency_stats
 
 
 def test_latency_stats():

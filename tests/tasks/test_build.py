@@ -2,9 +2,9 @@
 import numpy as np
 import pytest
 
-from tasks.backend import Backend, backend_for_target, gpu_for, host_gpus, no_gpu_reason
-from tasks.build import engine_from_onnx
-from tasks.errors import StageError, UnavailableError
+from tasks.trt.backend import Backend, backend_for_target, gpu_for, host_gpus, no_gpu_reason
+from tasks.build.engines import engine_from_onnx
+from tasks.common.errors import StageError, UnavailableError
 from tests.conftest import TINY_PROFILE
 
 BUILD = {"optimization_level": 3, "workspace_mib": None}
@@ -94,7 +94,7 @@ def test_builder_failure_names_the_node_its_op_and_the_keys_that_route_around_it
 
 def test_cls_with_a_non_square_profile_builds_after_sanitize(cls_path, tmp_path, rtx):
     """PP-OCR cls names H and W both '?': without distinct names TensorRT refuses this profile."""
-    from tasks.export import onnx_from_model
+    from tasks.sources.export import onnx_from_model
 
     onnx_r = onnx_from_model({"format": "onnx", "source": str(cls_path)}, [], tmp_path / "cls.onnx")
     prof = {"x": {"min": [1, 3, 48, 96], "opt": [4, 3, 48, 192], "max": [8, 3, 48, 384]}}
@@ -109,8 +109,8 @@ def _supported_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(_supported_gpu() is None, reason=no_gpu_reason("7.5/8.0/8.6/8.9/12.x (a TensorRT-RTX target)"))
 def test_engine_runs_on_the_gpu_and_matches_onnxruntime(tiny_onnx, tmp_path, rtx):
-    from tasks.ort import ort_run, ort_session
-    from tasks.runtime import EngineRunner
+    from tasks.onnxrt.ort import ort_run, ort_session
+    from tasks.trt.runtime import EngineRunner
 
     cc = _supported_gpu()
     r = engine_from_onnx(tiny_onnx, tmp_path / "e.engine", [TINY_PROFILE], cc, BUILD, rtx, show_progress=False)
@@ -129,7 +129,7 @@ def test_a_model_that_works_in_fp16_is_computed_in_fp32_at_fp32(tmp_path):
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from tasks.build import onnx_at_precision
+    from tasks.build.engines import onnx_at_precision
 
     w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((4, 3, 3, 3)).astype(np.float16), "w")
     g = helper.make_graph([helper.make_node("Cast", ["x"], ["xh"], to=TensorProto.FLOAT16),
@@ -146,6 +146,6 @@ def test_a_model_that_works_in_fp16_is_computed_in_fp32_at_fp32(tmp_path):
     assert out.graph.initializer[0].data_type == TensorProto.FLOAT
     assert all(a.i == TensorProto.FLOAT for n in out.graph.node if n.op_type == "Cast" for a in n.attribute)
     x = {"x": np.random.default_rng(1).standard_normal((1, 3, 8, 8)).astype(np.float32)}
-    from tasks.ort import ort_run, ort_session
+    from tasks.onnxrt.ort import ort_run, ort_session
     a, b = (ort_run(ort_session(p), x)["y"] for p in (tmp_path / "half.onnx", r.files["onnx"]))
     assert np.abs(a - b).max() < 0.05  # the same function, in fp32 types

@@ -15,12 +15,12 @@ from ml_dtypes import float8_e4m3fn
 from onnx import TensorProto, numpy_helper
 from onnxruntime.quantization.calibrate import load_tensors_data
 
-from tasks.calibrate import qdq_from_onnx
-from tasks.ort import ort_session
-from tasks.qdq import Quantizer
-from tasks.ranges import ranges_from_feeds
-from tasks.errors import AccuracyError, ConfigError
-from tasks.samples import preprocess, render_text_image
+from tasks.quantization.calibrate import qdq_from_onnx
+from tasks.onnxrt.ort import ort_session
+from tasks.quantization.qdq import Quantizer
+from tasks.quantization.ranges import ranges_from_feeds
+from tasks.common.errors import AccuracyError, ConfigError
+from tasks.data.samples import preprocess, render_text_image
 from tests.conftest import make_conv_model
 
 RECIPE = {"channel_order": "BGR", "scale": 1 / 255, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225],
@@ -106,8 +106,8 @@ def _qdq_counts(path: Path) -> tuple[int, set[str]]:
 
 
 def _profile(path: Path) -> dict:
-    from tasks.backend import Backend
-    from tasks.flops import precision_profile_from_onnx
+    from tasks.trt.backend import Backend
+    from tasks.trt.network import precision_profile_from_onnx
 
     prof = {"x": {"min": [1, 3, 32, 32], "opt": [1, 3, 640, 640], "max": [2, 3, 1280, 1280]}}
     return precision_profile_from_onnx([path], [[prof]], Backend("tensorrt_rtx"))["metrics"]
@@ -186,9 +186,9 @@ def test_the_search_figure_is_the_written_graphs(det_data, det_auto):
     the written graph's outputs). Within 1e-5: the search runs its pages two at a time on a thread each, and ONNX
     Runtime's sums on one thread and on two can round one int8 step of one element apart (1.2e-6 of this cosine);
     a graph other than the one written (its fp32-remainder sibling) is 1e-4 to 1e-2 away."""
-    from tasks.emulate import precision_runner
-    from tasks.metrics import pooled_estimate, pooled_sums, worst_feed_cosine
-    from tasks.ort import ort_runner
+    from tasks.onnxrt.emulate import precision_runner
+    from tasks.accuracy.metrics import pooled_estimate, pooled_sums, worst_feed_cosine
+    from tasks.onnxrt.ort import ort_runner
 
     path, calib, evals = det_data
     feeds = evals + calib[:8]
@@ -382,7 +382,7 @@ def test_a_model_computing_in_fp16_calibrates_in_fp32_and_keeps_its_interface(tm
     assert r.metrics["search_cosine_bound"] >= 0.99
     q = onnx.load(str(r.files["onnx"]))
     assert [o.type.tensor_type.elem_type for o in q.graph.output] == [TensorProto.FLOAT16]  # the model's own output type
-    from tasks.backend import Backend
+    from tasks.trt.backend import Backend
 
     assert len(Backend("tensorrt_rtx").build_engine(str(r.files["onnx"]), [], "8.6")) > 10_000  # static shapes
 
@@ -390,7 +390,7 @@ def test_a_model_computing_in_fp16_calibrates_in_fp32_and_keeps_its_interface(tm
 def test_a_segment_without_layers_is_written_at_high_precision_only_when_asked(tmp_path):
     """One TensorRT segment of several may hold no Conv/MatMul/Gemm (TransNetV2's glue between native nodes): it is
     built at the high precision; a whole model without one is refused."""
-    from tasks.errors import StageError
+    from tasks.common.errors import StageError
 
     g = onnx.helper.make_graph([onnx.helper.make_node("Relu", ["x"], ["y"])], "relu",
                                [onnx.helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
@@ -415,7 +415,7 @@ def test_layers_the_calibration_data_never_reaches_are_left_unquantized(tmp_path
     unquantized too, the others calibrate as usual."""
     from onnx import helper as h
 
-    from tasks.calibrate import qdq_for_segments
+    from tasks.quantization.calibrate import qdq_for_segments
 
     rng = np.random.default_rng(0)
     w = numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "w")
@@ -460,7 +460,7 @@ def test_layers_the_calibration_data_never_reaches_are_left_unquantized(tmp_path
 
 
 def test_a_search_that_keeps_most_flops_high_says_int8_will_not_pay():
-    from tasks.calibrate import low_share_warning
+    from tasks.quantization.calibrate import low_share_warning
 
     rows = [{"node": "big", "flops": 90.0, "quantized": False, "local_error": 0.02},
             {"node": "small", "flops": 10.0, "quantized": True}]
@@ -472,9 +472,9 @@ def test_a_search_that_keeps_most_flops_high_says_int8_will_not_pay():
 
 
 def test_the_search_judges_the_pooled_cosine_less_its_standard_error():
-    """The search's statistic is validate's pooled cosine (same figure as tasks.metrics.summarize), lowered by its
+    """The search's statistic is validate's pooled cosine (same figure as tasks.accuracy.metrics.summarize), lowered by its
     standard error: the jackknife's over the feeds, at least (1 - cosine) / sqrt(feeds)."""
-    from tasks.metrics import compare, headline, pooled_estimate, pooled_sums, summarize
+    from tasks.accuracy.metrics import compare, headline, pooled_estimate, pooled_sums, summarize
 
     rng = np.random.default_rng(0)
     refs = [{"y": rng.standard_normal(64)} for _ in range(8)]
@@ -490,8 +490,8 @@ def test_the_search_judges_the_pooled_cosine_less_its_standard_error():
 def test_a_candidate_refused_early_is_one_the_whole_set_refuses(tiny, tmp_path):
     """Switchable.meets stops at the first feeds that prove a candidate short; its answers are those of judging every
     feed (estimate), and a failing candidate costs fewer runs than there are feeds."""
-    from tasks.ort import ort_runner
-    from tasks.sensitivity import Switchable
+    from tasks.onnxrt.ort import ort_runner
+    from tasks.quantization.sensitivity import Switchable
 
     path, feeds, d = tiny
     rng = np.random.default_rng(5)
@@ -513,10 +513,10 @@ def test_the_search_scores_the_graph_that_is_written_fp16_remainder_included(tin
     """With an fp16 remainder the switchable session judges exactly what ``Quantizer.model`` writes and validate
     emulates (fp16 converted, rounded after every op), not its fp32-remainder sibling: on flat text pages the two
     differed by up to 0.012 per page (PP-OCRv4 det), and a search judged on the sibling wrote graphs that missed."""
-    from tasks.emulate import precision_runner
-    from tasks.metrics import cosine
-    from tasks.ort import ort_runner
-    from tasks.sensitivity import Switchable
+    from tasks.onnxrt.emulate import precision_runner
+    from tasks.accuracy.metrics import cosine
+    from tasks.onnxrt.ort import ort_runner
+    from tasks.quantization.sensitivity import Switchable
 
     path, feeds, d = tiny
     ranges, _ = ranges_from_feeds(path, feeds, "minmax", tmp_path)
@@ -535,7 +535,7 @@ def test_the_search_scores_the_graph_that_is_written_fp16_remainder_included(tin
 
 
 def test_the_validation_fix_says_whether_the_search_ran():
-    from tasks.calibrate import search_fix
+    from tasks.quantization.calibrate import search_fix
 
     m = {"search_cosine": 0.88, "search_cosine_bound": 0.85, "search_samples": 16}
     searched = search_fix(m, 17, 0.5)

@@ -1,11 +1,11 @@
-"""The calibration / search / validation split (tasks/datasets.py): disjoint by sample, image folders by file."""
+"""The calibration / search / validation split (tasks/data/datasets.py): disjoint by sample, image folders by file."""
 import numpy as np
 import pytest
 
-from tasks.datasets import UserData, split_data
-from tasks.errors import ConfigError
-from tasks.models import TensorInfo
-from tasks.profiles import ShapeRules
+from tasks.data.datasets import UserData, split_data
+from tasks.common.errors import ConfigError
+from tasks.graph.models import TensorInfo
+from tasks.data.profiles import ShapeRules
 
 X = [TensorInfo("x", "float32", ["batch", 3, 8, 8])]
 PROFILE = [{"x": {"min": [1, 3, 8, 8], "opt": [4, 3, 8, 8], "max": [8, 3, 8, 8]}}]

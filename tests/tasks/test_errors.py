@@ -1,5 +1,5 @@
 """Errors lead with their cause and the fix; paths come after; library noise is not part of a cause; nothing is cut."""
-from tasks.errors import StageError, cause
+from tasks.common.errors import StageError, cause
 
 
 def test_the_cause_and_the_fix_come_before_the_path():
@@ -32,7 +32,7 @@ def test_onnx_runtimes_refusal_leads_with_its_reason_and_names_the_file_once(tmp
     import pytest
     from onnx import TensorProto, helper, numpy_helper
 
-    from tasks.ort import ort_session
+    from tasks.onnxrt.ort import ort_session
 
     g = helper.make_graph([helper.make_node("Add", ["x", "b"], ["y"])], "g",
                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2]),
@@ -69,7 +69,7 @@ def test_a_failed_parse_says_the_parsers_words_without_cuda_lines(tmp_path):
     import pytest
     from onnx import TensorProto, helper
 
-    from tasks.backend import Backend, host_gpus
+    from tasks.trt.backend import Backend, host_gpus
 
     g = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"], name="conv_dyn_w")], "g",
                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, 8, 8]),

@@ -1,5 +1,5 @@
 """Accuracy figures of quantized graphs are the same on any x86-64 CPU: Q/DQ and integer ops are computed as written
-(tasks/exact.py, tasks/ort.py ``exact``), never by ONNX Runtime's integer kernels, which it picks by instruction set
+(tasks/onnxrt/exact.py, tasks/onnxrt/ort.py ``exact``), never by ONNX Runtime's integer kernels, which it picks by instruction set
 (an AVX2 host without VNNI saturates u8 x s8 products at 16 bits; VNNI and SSE4 accumulate exactly).
 
 The cross-CPU test runs the same scoring under QEMU's user-mode emulation of an AVX2-only CPU (Haswell: no AVX-512, no
@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.metrics import pooled_cosine
-from tasks.ort import ort_run, ort_session
+from tasks.accuracy.metrics import pooled_cosine
+from tasks.onnxrt.ort import ort_run, ort_session
 from tests.tasks.test_prequant import quantized_models  # noqa: F401  (session fixture)
 
 # CPU kernels of integer arithmetic (ONNX Runtime's fused or QOperator ops): none may run for an accuracy figure
@@ -52,7 +52,7 @@ def scores(folder: Path) -> dict[str, dict[str, float]]:
 def _executed_ops(model: Path, exact: bool) -> set[str]:
     import onnxruntime as ort
 
-    from tasks.exact import exact_integer_ops_of
+    from tasks.onnxrt.exact import exact_integer_ops_of
 
     so = ort.SessionOptions()
     so.enable_profiling = True

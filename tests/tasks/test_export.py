@@ -1,9 +1,9 @@
 import onnx
 import pytest
 
-from tasks.errors import ConfigError
-from tasks.export import onnx_from_model, sanitize
-from tasks.models import graph_io
+from tasks.common.errors import ConfigError
+from tasks.sources.export import onnx_from_model, sanitize
+from tasks.graph.models import graph_io
 
 
 def test_cls_shared_dim_names_become_distinct(cls_path):
@@ -91,8 +91,8 @@ def test_a_model_written_with_todays_onnx_defaults_is_lowered_to_the_ir_onnx_run
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from tasks.graph import runtime_max_ir
-    from tasks.ort import ort_run, ort_session
+    from tasks.graph.edit import runtime_max_ir
+    from tasks.onnxrt.ort import ort_run, ort_session
 
     w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((4, 3, 3, 3)).astype(np.float32), "w")
     g = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])], "new",
@@ -142,11 +142,11 @@ def test_a_conv_whose_filter_shape_only_the_profile_reveals_is_folded_and_builds
     with the same outputs in ONNX Runtime. A graph whose convolutions are known is not touched."""
     import numpy as np
 
-    from tasks.backend import Backend
-    from tasks.build import engine_from_onnx
-    from tasks.errors import StageError
-    from tasks.graph import unknown_conv_shapes
-    from tasks.ort import ort_runner
+    from tasks.trt.backend import Backend
+    from tasks.build.engines import engine_from_onnx
+    from tasks.common.errors import StageError
+    from tasks.graph.edit import unknown_conv_shapes
+    from tasks.onnxrt.ort import ort_runner
 
     src = make_tf_style_conv1d(tmp_path / "tf1d.onnx")
     profile = {"x": {"min": [1, 8, 16], "opt": [2, 64, 16], "max": [4, 128, 16]}}

@@ -7,10 +7,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from tasks.backend import Backend
-from tasks.build import onnx_at_precision
-from tasks.calibrate import qdq_from_onnx
-from tasks.flops import PRECISIONS, describe, precision_profile, precision_profile_from_onnx, summarize
+from tasks.trt.backend import Backend
+from tasks.build.engines import onnx_at_precision
+from tasks.quantization.calibrate import qdq_from_onnx
+from tasks.trt.network import PRECISIONS, describe, precision_profile, precision_profile_from_onnx, summarize
 from tests.conftest import make_conv_model
 
 N, H, W = 2, 16, 24
@@ -133,7 +133,7 @@ def test_a_quantized_1d_conv_kept_fp32_by_range_reads_its_dq_directly_and_counts
     it fp32, and its DequantizeLinear nodes were converted to fp16 with a Cast before the Conv, which TensorRT does not
     fuse (the 'quantized' Conv ran in fp32, flops_share int8 0.0). Now its DQs output fp32 into it, and the parser's
     Unsqueeze (1-D Conv as 2-D) is looked through as TensorRT does: the Conv counts as int8. Real TensorRT-RTX."""
-    from tasks.build import engine_from_onnx
+    from tasks.build.engines import engine_from_onnx
     from tests.conftest import audio_16bit, make_audio_power_model
 
     path = make_audio_power_model(tmp_path / "mel.onnx")
@@ -156,7 +156,7 @@ def test_a_quantized_1d_conv_kept_fp32_by_range_reads_its_dq_directly_and_counts
 
 
 def test_a_label_must_name_what_the_engine_computes():
-    from tasks.flops import label_disagreement
+    from tasks.trt.network import label_disagreement
 
     share = lambda **k: {p: k.get(p, 0.0) for p in ("fp32", "fp16", "int8", "fp8")}  # noqa: E731
     assert label_disagreement("fp32", share(fp32=1.0)) is None
@@ -177,7 +177,7 @@ def test_a_graph_the_profile_cannot_parse_says_why_once_and_prints_nothing_itsel
     import subprocess
     import sys
 
-    code = ("import sys\nfrom pathlib import Path\nfrom tasks.backend import Backend\nfrom tasks import flops\n"
+    code = ("import sys\nfrom pathlib import Path\nfrom tasks.trt.backend import Backend\nfrom tasks.trt import network as flops\n"
             "from tests.conftest import make_conv_model\n"
             f"p = make_conv_model(Path({str(tmp_path / 'custom.onnx')!r}), custom_op='Foo')\n"
             "try:\n"

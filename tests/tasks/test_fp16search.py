@@ -10,11 +10,11 @@ from onnx import TensorProto as T
 from onnx import helper as h
 from onnx import numpy_helper as nh
 
-from tasks.emulate import fp16_rounded
-from tasks.errors import AccuracyError
-from tasks.fp16search import error_growth, fp16_candidates, fp16_within_budget
-from tasks.metrics import worst_feed_cosine
-from tasks.precision import fp16_from_onnx, fp16_hazards_from_data
+from tasks.onnxrt.emulate import fp16_rounded
+from tasks.common.errors import AccuracyError
+from tasks.fp16.search import error_growth, fp16_candidates, fp16_within_budget
+from tasks.accuracy.metrics import worst_feed_cosine
+from tasks.fp16.convert import fp16_from_onnx, fp16_hazards_from_data
 
 D, STEPS = 16, 12
 
@@ -107,7 +107,7 @@ def test_emulation_rounds_inside_a_loop_body():
 
 
 def _cosine(model16, fp32, feeds):
-    from tasks.emulate import precision_runner
+    from tasks.onnxrt.emulate import precision_runner
 
     run = precision_runner(model16)[0]
     ref = _session(fp32)
@@ -141,7 +141,7 @@ def test_fp16_search_keeps_the_decoding_loop_fp32(tmp_path):
 
 
 def test_fp16_search_that_cannot_meet_the_budget_says_so(tmp_path):
-    from tasks.accuracy import Metric, SearchJudge
+    from tasks.accuracy.metric import Metric, SearchJudge
 
     m = decoder()
     path = tmp_path / "decoder.onnx"
@@ -161,7 +161,7 @@ def test_fp16_search_judges_by_the_accuracy_metric(tmp_path):
     """accuracy.metric reaches the fp16 search as it reaches int8's: top1 (the argmax of each decoding step's token
     probabilities) judged on its worst sample finds the Loop; an allclose tolerance fp16 cannot hold anywhere fails
     where cosine (met by the graph as converted) keeps nothing."""
-    from tasks.accuracy import Metric
+    from tasks.accuracy.metric import Metric
 
     m = decoder()
     path = tmp_path / "decoder.onnx"

@@ -4,9 +4,9 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from tasks.errors import ConfigError
-from tasks.export import onnx_from_model
-from tasks.graph import array_from_constant
+from tasks.common.errors import ConfigError
+from tasks.sources.export import onnx_from_model
+from tasks.graph.edit import array_from_constant
 from tests.conftest import IF_PROFILE
 
 
@@ -30,8 +30,8 @@ def test_bound_input_folds_every_if_and_matches_the_model_fed_that_value(if_onnx
 
 
 def test_folded_model_builds_a_real_engine(if_onnx, tmp_path):
-    from tasks.backend import Backend
-    from tasks.build import engine_from_onnx
+    from tasks.trt.backend import Backend
+    from tasks.build.engines import engine_from_onnx
 
     r = fold(if_onnx, tmp_path, 16000)
     eng = engine_from_onnx(r.files["onnx"], tmp_path / "if.engine", [IF_PROFILE], "8.6",
@@ -65,7 +65,7 @@ def test_fp32_from_fp16_computes_in_fp32_behind_the_models_fp16_interface():
     fp16 inputs and outputs, defines every name once, and computes what the model computes, in fp32."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from tasks.graph import fp32_from_fp16
+    from tasks.graph.edit import fp32_from_fp16
 
     H = TensorProto.FLOAT16
     w = np.random.default_rng(1).standard_normal((4, 4)).astype(np.float16)

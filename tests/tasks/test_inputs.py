@@ -1,10 +1,10 @@
 import numpy as np
 import pytest
 
-from tasks.errors import ConfigError
-from tasks.inputs import generated_feeds, load_feeds
-from tasks.models import TensorInfo
-from tasks.samples import render_text_image
+from tasks.common.errors import ConfigError
+from tasks.data.inputs import generated_feeds, load_feeds
+from tasks.graph.models import TensorInfo
+from tasks.data.samples import render_text_image
 
 X = [TensorInfo("x", "float32", ["n", 3, "h", "w"])]
 PROFILES = [{"x": {"min": [1, 3, 32, 32], "opt": [1, 3, 64, 64], "max": [2, 3, 128, 128]}}]
@@ -45,7 +45,7 @@ def test_empty_folder_and_inf_values_are_refused(tmp_path):
 
 
 def test_samples_along_the_batch_axis_are_split_into_batches_that_fit_the_profile(tmp_path):
-    from tasks.inputs import load_data
+    from tasks.data.inputs import load_data
 
     det = [{"x": {"min": [1, 3, 32, 32], "opt": [8, 3, 64, 64], "max": [8, 3, 64, 64]}}]
     np.savez(tmp_path / "cal.npz", x=np.random.default_rng(0).random((16, 3, 32, 32), np.float32))
@@ -80,8 +80,8 @@ def test_two_inputs_split_together_and_mixed_forms_are_refused(tmp_path):
 
 
 def test_data_whose_tied_dims_disagree_is_refused(tmp_path):
-    from tasks.inputs import load_data
-    from tasks.profiles import ShapeRules, named_ties
+    from tasks.data.inputs import load_data
+    from tasks.data.profiles import ShapeRules, named_ties
 
     ins = [TensorInfo("input_ids", "int64", ["batch", "seq"]), TensorInfo("attention_mask", "int64", ["batch", "seq"])]
     prof = [{n: {"min": [1, 1], "opt": [4, 16], "max": [8, 64]} for n in ("input_ids", "attention_mask")}]
@@ -91,7 +91,7 @@ def test_data_whose_tied_dims_disagree_is_refused(tmp_path):
 
 
 def test_heldout_shapes_span_the_profile_keep_the_opt_and_max_batch_and_draw_a_static_shape_as_many_samples():
-    from tasks.inputs import heldout_shapes
+    from tasks.data.inputs import heldout_shapes
 
     prof = {"x": {"min": [1, 3, 48, 64], "opt": [8, 3, 48, 320], "max": [16, 3, 48, 640]}}
     shapes = [s["x"]["opt"] for s in heldout_shapes(prof, 3, np.random.default_rng(0))]  # fixed shapes

@@ -1,8 +1,8 @@
 import pytest
 
-from tasks.errors import ConfigError
-from tasks.graph import load_onnx
-from tasks.models import check_safe_name, graph_io, resolve_source
+from tasks.common.errors import ConfigError
+from tasks.graph.edit import load_onnx
+from tasks.graph.models import check_safe_name, graph_io, resolve_source
 
 
 def test_pkg_source_resolves_without_importing_the_package():

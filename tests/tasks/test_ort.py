@@ -10,8 +10,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from tasks.errors import StageError
-from tasks.ort import ordered_runs, ort_run, ort_session
+from tasks.common.errors import StageError
+from tasks.onnxrt.ort import ordered_runs, ort_run, ort_session
 
 
 def _session():

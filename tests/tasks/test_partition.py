@@ -3,14 +3,14 @@ import json
 import numpy as np
 import pytest
 
-from tasks.backend import Backend
-from tasks.errors import StageError
-from tasks.inputs import generated_feeds
-from tasks.graph import load_onnx
-from tasks.models import graph_io
-from tasks.partition import plan_from_onnx
-from tasks.ort import ort_runner
-from tasks.segments import Composed
+from tasks.trt.backend import Backend
+from tasks.common.errors import StageError
+from tasks.data.inputs import generated_feeds
+from tasks.graph.edit import load_onnx
+from tasks.graph.models import graph_io
+from tasks.partition.partition import plan_from_onnx
+from tasks.onnxrt.ort import ort_runner
+from tasks.partition.segments import Composed
 from tests.conftest import TINY_PROFILE, make_conv_model, make_hybrid_model
 
 CFG = {"min_subgraph_size": 3, "exclude_ops": [], "strict": False}
@@ -174,7 +174,7 @@ def test_fragmentation_by_dynamic_quantization_names_the_key_that_removes_it(tmp
     from onnx import helper, numpy_helper
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    from tasks.prequant import trt_from_prequantized
+    from tasks.prequant.rewrite import trt_from_prequantized
     from tests.conftest import save_image_model
 
     rng = np.random.default_rng(0)
@@ -236,7 +236,7 @@ def test_a_shape_tensor_is_never_a_segment_input(tmp_path):
     """The Concats that compute the Reshapes' shapes run natively: the Reshapes reading them run natively too (the
     engine would need those values at build time: 'missing values for shape input tensor'), and every TensorRT
     segment builds."""
-    from tasks.build import engine_from_onnx
+    from tasks.build.engines import engine_from_onnx
 
     src = make_nhwc_conv1d(tmp_path / "tf1d.onnx")
     r = plan(src, tmp_path / "p", {**CFG, "exclude_ops": ["Concat"], "min_subgraph_size": 1},
@@ -261,7 +261,7 @@ def test_a_dynamically_quantized_conv_lstm_dequantizes_to_one_tensorrt_subgraph(
     from onnx import TensorProto as T, helper, numpy_helper as nh
     from onnxruntime.quantization import quantize_dynamic
 
-    from tasks.prequant import trt_from_prequantized
+    from tasks.prequant.rewrite import trt_from_prequantized
 
     rng = np.random.default_rng(0)
     c, h, w_ = 8, 16, 4  # conv channels, LSTM hidden size, feature height (fixed)
@@ -350,7 +350,7 @@ def test_a_parse_error_naming_no_node_is_placed_by_parsing_prefixes(tmp_path):
 
 def test_every_segments_feeds_come_from_one_run(hybrid_onnx, tmp_path):
     """all_segment_feeds (the fp16 search's held-out feeds of a hybrid model) equals segment_feeds segment by segment."""
-    from tasks.segments import all_segment_feeds, segment_feeds
+    from tasks.partition.segments import all_segment_feeds, segment_feeds
 
     r = plan(hybrid_onnx, tmp_path)
     feeds = [{"x": np.random.default_rng(i).standard_normal((2, 3, 16, 16)).astype(np.float32)} for i in range(2)]
@@ -366,11 +366,11 @@ def test_every_segments_feeds_come_from_one_run(hybrid_onnx, tmp_path):
 
 
 def test_the_rest_of_the_model_after_a_segment_runs_only_what_reads_it(hybrid_onnx, tmp_path):
-    """tasks.segments.Rest (the int8 search's judge of a hybrid model): fed a TensorRT segment's own fp32 outputs, the
+    """tasks.partition.segments.Rest (the int8 search's judge of a hybrid model): fed a TensorRT segment's own fp32 outputs, the
     rest of the model gives the model's fp32 outputs; fed changed outputs, only the segments downstream of it run
     again, so a change shows in the model's outputs exactly where validate's composition would show it."""
-    from tasks.ort import ort_runner
-    from tasks.segments import Composed, Rest, downstream_of
+    from tasks.onnxrt.ort import ort_runner
+    from tasks.partition.segments import Composed, Rest, downstream_of
 
     r = plan(hybrid_onnx, tmp_path)
     feeds = [{"x": np.random.default_rng(i).standard_normal((2, 3, 16, 16)).astype(np.float32)} for i in range(2)]

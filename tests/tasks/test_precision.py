@@ -12,8 +12,8 @@ from onnx import TensorProto as TP
 from onnx import helper as oh
 from onnx import numpy_helper as nh
 
-from tasks.backend import Backend
-from tasks.precision import fp16_from_onnx
+from tasks.trt.backend import Backend
+from tasks.fp16.convert import fp16_from_onnx
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -85,7 +85,7 @@ def _run(model, x):
     return sess.run(None, {"x": x})
 
 
-from tasks.metrics import cosine as _cosine  # noqa: E402
+from tasks.accuracy.metrics import cosine as _cosine  # noqa: E402
 
 
 def _trt_engine_bytes(model, profile):
@@ -489,7 +489,7 @@ def _if_model():
         inits,
     )
     model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)
-    return onnx.shape_inference.infer_shapes(model, data_prop=True)  # as tasks.export.sanitize does
+    return onnx.shape_inference.infer_shapes(model, data_prop=True)  # as tasks.sources.export.sanitize does
 
 
 def _walk_graphs(g):
@@ -646,8 +646,8 @@ def test_an_initializer_also_listed_as_an_input_feeding_a_blocked_and_a_converte
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from tasks.build import onnx_at_precision
-    from tasks.export import onnx_from_model
+    from tasks.build.engines import onnx_at_precision
+    from tasks.sources.export import onnx_from_model
 
     rng = np.random.default_rng(0)
     c = 4
@@ -679,9 +679,9 @@ def test_values_beyond_fp16s_range_on_the_data_keep_their_nodes_fp32(tmp_path):
     the power stay fp32 and the fp16 graph matches fp32. On random values in [0, 1) nothing would have overflowed."""
     import onnxruntime as ort
 
-    from tasks.build import onnx_at_precision
-    from tasks.emulate import fp16_rounded
-    from tasks.precision import fp16_hazards_from_data
+    from tasks.build.engines import onnx_at_precision
+    from tasks.onnxrt.emulate import fp16_rounded
+    from tasks.fp16.convert import fp16_hazards_from_data
     from tests.conftest import audio_16bit, make_audio_power_model
 
     path = make_audio_power_model(tmp_path / "mel.onnx")
@@ -743,9 +743,9 @@ def test_a_variance_taken_as_a_difference_of_moments_is_computed_in_fp32(tmp_pat
     """E[x^2] - E[x]^2 of values far from zero cancels: fp16 operands leave the variance mostly rounding error, which
     1/sqrt(var + eps) blows up (measured on Magika, a jax2tf export: cosine 0.67 naive), and so does x - mean. Judged
     on the data, the moments and the differences are computed in fp32 from the input; the MatMul stays fp16."""
-    from tasks.build import onnx_at_precision
-    from tasks.emulate import fp16_rounded
-    from tasks.precision import fp16_hazards_from_data
+    from tasks.build.engines import onnx_at_precision
+    from tasks.onnxrt.emulate import fp16_rounded
+    from tasks.fp16.convert import fp16_hazards_from_data
 
     path = _layernorm_model(tmp_path / "ln.onnx", "moments")
     x = _offset_rows(32)
@@ -771,7 +771,7 @@ def test_a_variance_taken_as_a_difference_of_moments_is_computed_in_fp32(tmp_pat
 
 def test_a_centered_variance_and_data_near_zero_keep_everything_fp16(tmp_path):
     """No false alarm on activations of the usual kind (centred near zero, unit spread): neither LayerNorm form cancels."""
-    from tasks.precision import fp16_hazards_from_data
+    from tasks.fp16.convert import fp16_hazards_from_data
 
     zero_mean = np.random.default_rng(3).standard_normal((8, 64)).astype(np.float32)
     for variance in ("centered", "moments"):
@@ -801,7 +801,7 @@ def _output_read_inside_model():
 def test_every_node_takes_one_float_type_and_tensorrt_builds_it(keep):
     """Kept nodes take fp32 on every float input, converted ones fp16 (weights too), whatever the converter left; the
     type check finds nothing, ONNX Runtime runs it, TensorRT-RTX builds it, and it computes what fp32 does."""
-    from tasks.precision import mixed_input_types, value_types
+    from tasks.fp16.convert import mixed_input_types, value_types
 
     m = _output_read_inside_model()
     m16, stats = fp16_from_onnx(m, keep_fp32=keep)
@@ -823,8 +823,8 @@ def test_every_node_takes_one_float_type_and_tensorrt_builds_it(keep):
 
 def test_the_type_check_names_the_node_and_its_two_types(tmp_path):
     """A graph handing a Conv fp32 data and fp16 weights is refused before TensorRT, naming both (and how to go on)."""
-    from tasks.build import check_types
-    from tasks.errors import SegmentBuildError
+    from tasks.build.engines import check_types
+    from tasks.common.errors import SegmentBuildError
 
     m = _output_read_inside_model()
     w = m.graph.initializer[1]
@@ -842,7 +842,7 @@ def test_a_prequantized_encoders_divisions_take_one_type_at_fp16(tmp_path):
     types. But they are of types Half and Float"). Converted now, every Div reads one type, and TensorRT builds it."""
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
-    from tasks.precision import mixed_input_types
+    from tasks.fp16.convert import mixed_input_types
 
     rng = np.random.default_rng(0)
     c, t = 8, 16
@@ -877,7 +877,7 @@ def test_a_prequantized_encoders_divisions_take_one_type_at_fp16(tmp_path):
     quantize_static(str(tmp_path / "float.onnx"), str(tmp_path / "qdq.onnx"), Reader(), quant_format=QuantFormat.QDQ,
                     activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
                     op_types_to_quantize=["Conv", "MatMul", "Div", "Sub"])
-    from tasks.prequant import trt_from_prequantized
+    from tasks.prequant.rewrite import trt_from_prequantized
 
     q, _ = trt_from_prequantized(onnx.load(str(tmp_path / "qdq.onnx")))  # what export hands the build
     assert sum(n.op_type == "QuantizeLinear" for n in q.graph.node) >= 4

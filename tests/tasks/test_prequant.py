@@ -10,8 +10,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from tasks.prequant import _dequantize, accuracy_fix, describe, quantization_of, trt_from_prequantized
-from tasks.ort import ort_run, ort_session
+from tasks.prequant.rewrite import _dequantize, accuracy_fix, describe, quantization_of, trt_from_prequantized
+from tasks.onnxrt.ort import ort_run, ort_session
 from tests.conftest import TINY_PROFILE, make_conv_model
 
 
@@ -56,7 +56,7 @@ def quantized_models(session_tmp) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def converted(quantized_models):
-    from tasks.prequant import trt_from_prequantized
+    from tasks.prequant.rewrite import trt_from_prequantized
 
     return {n: trt_from_prequantized(onnx.load(str(quantized_models[n]))) for n in STATIC + ("dynamic", "qoperator")}
 
@@ -226,8 +226,8 @@ def test_an_asymmetric_pair_is_kept_exactly_by_default(dtype, zp, layer):
                                              ("static_u8sym", False), ("dynamic", True),
                                              ("qoperator", False)])
 def test_converted_graphs_build_tensorrt_engines(converted, quantized_models, name, dequantize, tmp_path):
-    from tasks.backend import Backend
-    from tasks.build import engine_from_onnx
+    from tasks.trt.backend import Backend
+    from tasks.build.engines import engine_from_onnx
 
     m = converted[name][0] if not dequantize else trt_from_prequantized(onnx.load(str(quantized_models[name])), True)[0]
     onnx.save(m, str(tmp_path / "m.onnx"))
@@ -244,10 +244,10 @@ def test_ppocr_det_quantized_by_quantize_static_defaults_keeps_int8_and_its_accu
     layer int8, another rounding). Both build for sm_86; the default agrees with the model as shipped."""
     from onnxruntime.quantization import QuantFormat, quantize_static
 
-    from tasks.backend import Backend
-    from tasks.build import engine_from_onnx
-    from tasks.export import sanitize
-    from tasks.samples import preprocess, render_text_image
+    from tasks.trt.backend import Backend
+    from tasks.build.engines import engine_from_onnx
+    from tasks.sources.export import sanitize
+    from tasks.data.samples import preprocess, render_text_image
 
     recipe = {"channel_order": "RGB", "scale": 1 / 255, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225],
               "layout": "NCHW"}
@@ -296,8 +296,8 @@ def test_qoperator_contrib_ops_become_qdq_and_one_tensorrt_graph(tmp_path):
     run in float between pairs, nothing foreign or 8-bit-only is left, and the graph is one TensorRT subgraph."""
     from onnxruntime.quantization import QuantFormat, quantize_static
 
-    from tasks.backend import Backend
-    from tasks.build import engine_from_onnx
+    from tasks.trt.backend import Backend
+    from tasks.build.engines import engine_from_onnx
     from tests.conftest import save_image_model
 
     rng = np.random.default_rng(0)
@@ -338,10 +338,10 @@ def test_qoperator_contrib_ops_become_qdq_and_one_tensorrt_graph(tmp_path):
     b = exact_run(m.SerializeToString(), {"x": x})
     assert float((a * b).sum() / np.linalg.norm(a) / np.linalg.norm(b)) > 0.999
     onnx.save(m, str(tmp_path / "m.onnx"))
-    from tasks.inputs import generated_feeds
-    from tasks.graph import load_onnx
-    from tasks.models import graph_io
-    from tasks.partition import plan_from_onnx
+    from tasks.data.inputs import generated_feeds
+    from tasks.graph.edit import load_onnx
+    from tasks.graph.models import graph_io
+    from tasks.partition.partition import plan_from_onnx
 
     ins, _ = graph_io(load_onnx(tmp_path / "m.onnx"))
     plan = plan_from_onnx(tmp_path / "m.onnx", {"min_subgraph_size": 3, "exclude_ops": [], "strict": False},
@@ -358,11 +358,11 @@ def test_qoperator_classifier_head_qgemm_becomes_one_tensorrt_graph(tmp_path, pe
     an int32 bias. QGemm becomes DQ -> Gemm -> Q with the bias in float; the whole model is one TensorRT subgraph."""
     from onnxruntime.quantization import QuantFormat, quantize_static
 
-    from tasks.backend import Backend
-    from tasks.inputs import generated_feeds
-    from tasks.graph import load_onnx
-    from tasks.models import graph_io
-    from tasks.partition import plan_from_onnx
+    from tasks.trt.backend import Backend
+    from tasks.data.inputs import generated_feeds
+    from tasks.graph.edit import load_onnx
+    from tasks.graph.models import graph_io
+    from tasks.partition.partition import plan_from_onnx
 
     rng = np.random.default_rng(0)
     inits = [numpy_helper.from_array(rng.standard_normal((8, 3, 3, 3)).astype(np.float32) * 0.3, "w1"),

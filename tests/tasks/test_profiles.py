@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from tasks.errors import ConfigError
-from tasks.models import TensorInfo
-from tasks.profiles import ShapeRules, check_profiles, shapes_in_profile
+from tasks.common.errors import ConfigError
+from tasks.graph.models import TensorInfo
+from tasks.data.profiles import ShapeRules, check_profiles, shapes_in_profile
 
 X = [TensorInfo("x", "float32", ["n", 3, "h", "w"])]
 
@@ -55,7 +55,7 @@ def two_input_model(names_a=("batch", "seq"), names_b=("batch", "seq"), op="Add"
 
 
 def inputs_of(model):
-    from tasks.models import graph_io
+    from tasks.graph.models import graph_io
 
     return graph_io(model)[0]
 
@@ -68,7 +68,7 @@ def two(seq_a, seq_b):
 @pytest.mark.parametrize("names_b, why", [(("batch", "seq"), "the model's dim 'seq'"),
                                           (("m", "t"), "node 'combine' (Add)")])
 def test_profiles_contradicting_dims_the_model_ties_are_refused_naming_both_inputs(names_b, why):
-    from tasks.profiles import shape_rules
+    from tasks.data.profiles import shape_rules
 
     model = two_input_model(names_b=names_b)
     ins = inputs_of(model)
@@ -82,7 +82,7 @@ def test_profiles_contradicting_dims_the_model_ties_are_refused_naming_both_inpu
 
 
 def test_a_dim_fixed_at_1_may_broadcast_but_not_a_shared_name():
-    from tasks.profiles import shape_rules
+    from tasks.data.profiles import shape_rules
 
     model = two_input_model(names_b=("m", "t"))
     ins = inputs_of(model)
@@ -93,8 +93,8 @@ def test_a_dim_fixed_at_1_may_broadcast_but_not_a_shared_name():
 
 
 def test_tied_dims_are_drawn_as_one_value_everywhere():
-    from tasks.inputs import calibration_shapes, heldout_shapes
-    from tasks.profiles import shape_rules
+    from tasks.data.inputs import calibration_shapes, heldout_shapes
+    from tasks.data.profiles import shape_rules
 
     model = two_input_model(names_b=("m", "t"))  # tied by the graph only
     ins = inputs_of(model)
@@ -108,7 +108,7 @@ def test_tied_dims_are_drawn_as_one_value_everywhere():
 
 
 def test_profiles_alone_tie_inputs_with_identical_ranges_without_refusing():
-    from tasks.profiles import shape_rules
+    from tasks.data.profiles import shape_rules
 
     ins = [TensorInfo("input_ids", "int64", ["input_ids_dim0", "input_ids_dim1"]),
            TensorInfo("attention_mask", "int64", ["attention_mask_dim0", "attention_mask_dim1"])]
@@ -120,7 +120,7 @@ def test_profiles_alone_tie_inputs_with_identical_ranges_without_refusing():
 
 
 def test_alignment_is_inferred_from_the_profile_when_no_shape_multiple_is_given():
-    from tasks.profiles import infer_multiples, shape_rules
+    from tasks.data.profiles import infer_multiples, shape_rules
 
     det = prof([1, 3, 320, 320], [4, 3, 640, 640], [8, 3, 640, 640])
     assert infer_multiples(det) == {"x": [1, 1, 64, 64]}

@@ -1,9 +1,9 @@
-"""Q/DQ graphs with fixed ranges (tasks/qdq.py)."""
+"""Q/DQ graphs with fixed ranges (tasks/quantization/qdq.py)."""
 import numpy as np
 from onnx import numpy_helper
 
-from tasks.qdq import Quantizer
-from tasks.ranges import alternative_ranges, ranges_from_feeds
+from tasks.quantization.qdq import Quantizer
+from tasks.quantization.ranges import alternative_ranges, ranges_from_feeds
 
 
 def _same_graph(a, b) -> None:

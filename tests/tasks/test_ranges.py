@@ -1,10 +1,10 @@
-"""Calibration ranges from histograms of |x| (tasks/ranges.py)."""
+"""Calibration ranges from histograms of |x| (tasks/quantization/ranges.py)."""
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from tasks.qdq import quantized_activations
-from tasks.ranges import ranges_from_feeds
+from tasks.quantization.qdq import quantized_activations
+from tasks.quantization.ranges import ranges_from_feeds
 
 
 def _two_convs(path):
@@ -46,11 +46,11 @@ def test_histograms_only_where_q_dq_can_go_and_the_max_of_the_rest(tmp_path):
 
 
 def _entropy_amax_loop(hist, edges) -> float:
-    """TensorRT's entropy calibration as the reference loop over candidate thresholds (tasks/ranges.py computes every
+    """TensorRT's entropy calibration as the reference loop over candidate thresholds (tasks/quantization/ranges.py computes every
     candidate at once from cumulative sums)."""
     import math
 
-    from tasks.ranges import ENTROPY_CANDIDATES, ENTROPY_QUANT_BINS
+    from tasks.quantization.ranges import ENTROPY_CANDIDATES, ENTROPY_QUANT_BINS
 
     bins = np.asarray(hist, dtype=np.float64).copy()
     n, nq = bins.size, ENTROPY_QUANT_BINS
@@ -81,7 +81,7 @@ def _entropy_amax_loop(hist, edges) -> float:
 def test_entropy_ranges_are_the_reference_loops(det_path, tmp_path):
     """The entropy threshold of every candidate at once equals the loop over candidates, on histograms of a real
     network's activations and on made-up ones (decaying, sparse, a plateau then a far outlier, a spike at zero)."""
-    from tasks.ranges import _entropy_range
+    from tasks.quantization.ranges import _entropy_range
 
     rng = np.random.default_rng(0)
     feeds = [{"x": rng.uniform(-2, 2, (1, 3, 96, 96)).astype(np.float32)} for _ in range(2)]

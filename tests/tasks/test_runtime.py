@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.backend import gpu_for, host_gpus, no_gpu_reason
-from tasks.errors import StageError
-from tasks.ort import ort_run, ort_session
-from tasks.runtime import (TensorSpec, binding_unchanged, check_feed, choose_profile, cuda_versions, graph_binding,
+from tasks.trt.backend import gpu_for, host_gpus, no_gpu_reason
+from tasks.common.errors import StageError
+from tasks.onnxrt.ort import ort_run, ort_session
+from tasks.trt.runtime import (TensorSpec, binding_unchanged, check_feed, choose_profile, cuda_versions, graph_binding,
                            output_plan, runtime_cache_file)
 
 RTX_CC = ("7.5", "8.0", "8.6", "8.9", "12.0", "12.1")
@@ -30,7 +30,7 @@ NZ = TensorSpec("nz", False, "INT64", (2, -1))
 
 @pytest.fixture(scope="module")
 def rtx():
-    from tasks.backend import Backend
+    from tasks.trt.backend import Backend
 
     return Backend("tensorrt_rtx")
 
@@ -98,7 +98,7 @@ def test_cuda_versions_are_read_from_the_libraries():
 
 @pytest.mark.skipif(bool(host_gpus()), reason="checks how a host without a GPU refuses to run an engine")
 def test_without_a_gpu_the_runner_refuses_with_the_cuda_error(rtx):
-    from tasks.runtime import EngineRunner
+    from tasks.trt.runtime import EngineRunner
 
     with pytest.raises(StageError, match="CUDA cuda(SetDevice|Free) failed: cudaError"):
         EngineRunner(b"not an engine", rtx)
@@ -119,7 +119,7 @@ def test_a_captured_cuda_graph_is_replayed_only_for_the_binding_it_was_captured_
 
 def test_the_gpu_a_target_runs_on_is_found_by_its_pci_bus_id():
     """nvidia-smi numbers GPUs by bus, CUDA fastest first: the runner selects the chosen GPU by PCI bus id."""
-    from tasks.backend import gpus_from_nvidia_smi
+    from tasks.trt.backend import gpus_from_nvidia_smi
 
     gpus = gpus_from_nvidia_smi("NVIDIA H100 80GB HBM3, 9.0, 580.95.05, 00000000:1B:00.0\n"
                                 "NVIDIA GeForce RTX 4090, D, 8.9, 580.95.05, 00000000:3D:00.0\n")
@@ -225,7 +225,7 @@ def _supported_gpu():
 
 
 def _runner(backend, three_models, name, tmp_path, **kw):
-    from tasks.runtime import EngineRunner
+    from tasks.trt.runtime import EngineRunner
 
     path, profiles = three_models[name]
     engine = build(backend, path, profiles, _supported_gpu())
@@ -272,8 +272,8 @@ def test_gpu_shape_tensor_input_is_read_from_host_memory(rtx, three_models, tmp_
 @pytest.mark.gpu
 @pytest.mark.skipif(_supported_gpu() is None, reason=no_gpu_reason("7.5/8.0/8.6/8.9/12.x (a TensorRT-RTX target)"))
 def test_gpu_data_dependent_output_comes_through_the_output_allocator(rtx, three_models, tmp_path):
-    from tasks.backend import Backend
-    from tasks.errors import UnavailableError
+    from tasks.trt.backend import Backend
+    from tasks.common.errors import UnavailableError
 
     try:  # Enterprise TensorRT has NonZero kernels; TensorRT-RTX 1.7 has none
         backend = Backend("tensorrt")

@@ -1,7 +1,7 @@
-"""The accuracy-budget search as a pure function of whole-model judgements and per-layer harm (tasks/search.py)."""
+"""The accuracy-budget search as a pure function of whole-model judgements and per-layer harm (tasks/search/restore.py)."""
 import pytest
 
-from tasks.search import restore_search, search_target
+from tasks.search.restore import restore_search, search_target
 
 
 def additive(losses: dict[str, float], budget: float = 0.01):
@@ -54,7 +54,7 @@ def test_the_margin_grows_when_few_samples_judge():
 def test_a_models_segments_combine_into_one_figure_per_search_metric():
     """int8's calibrate and fp16's build report a search over several TensorRT segments the same way: counts summed,
     sample counts and the standard error the largest, figures of accuracy the lowest segment's, absent ones absent."""
-    from tasks.search import combined_search_metrics
+    from tasks.search.restore import combined_search_metrics
 
     got = combined_search_metrics([
         {"quantized_layers": 3, "fallback_layers": 1, "search_runs": 5, "search_samples": 9, "search_cosine": 0.999,

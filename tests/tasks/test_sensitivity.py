@@ -8,10 +8,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from tasks.emulate import precision_runner
-from tasks.ort import ort_runner
-from tasks.qdq import Quantizer
-from tasks.ranges import ranges_from_feeds
+from tasks.onnxrt.emulate import precision_runner
+from tasks.onnxrt.ort import ort_runner
+from tasks.quantization.qdq import Quantizer
+from tasks.quantization.ranges import ranges_from_feeds
 
 
 def _model(path):
@@ -40,7 +40,7 @@ def _model(path):
 
 @pytest.mark.parametrize("high", ["fp16", "fp32"])
 def test_the_switchable_session_computes_the_written_graph(tmp_path, high):
-    from tasks.sensitivity import Switchable
+    from tasks.quantization.sensitivity import Switchable
 
     path = _model(tmp_path / "m.onnx")
     rng = np.random.default_rng(1)
@@ -75,8 +75,8 @@ def test_a_judgement_refused_early_is_one_the_whole_set_refuses(workers):
     """meets_target stops running feeds once those run cannot reach the target whatever the rest gives (their error
     alone, against the standard error's floor): its verdict is always the full estimate's, and refusing takes fewer
     runs than the feeds. Feeds run two at a time give the same verdicts and figures."""
-    from tasks.metrics import pooled_estimate, pooled_sums
-    from tasks.sensitivity import meets_target, output_norms
+    from tasks.accuracy.metrics import pooled_estimate, pooled_sums
+    from tasks.quantization.sensitivity import meets_target, output_norms
 
     rng = np.random.default_rng(0)
     refs = [{"y": rng.standard_normal(64) * (1 + k % 3)} for k in range(12)]
@@ -98,7 +98,7 @@ def test_a_judgement_refused_early_is_one_the_whole_set_refuses(workers):
 def test_a_subset_judged_again_runs_only_the_feeds_it_has_not_run(tmp_path):
     """Every layer quantized is judged against the budget, then raced against other ranges: the feeds the first
     judgement ran are not run again, and each verdict is the one the whole set gives."""
-    from tasks.sensitivity import Switchable
+    from tasks.quantization.sensitivity import Switchable
 
     path = _model(tmp_path / "m.onnx")
     rng = np.random.default_rng(2)

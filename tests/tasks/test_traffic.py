@@ -9,17 +9,17 @@ import numpy as np
 import pytest
 
 from benchmarks.traffic_data import document_traffic
-from tasks.errors import ConfigError
-from tasks.models import TensorInfo
-from tasks.traffic import (TrafficDraws, inside, propose, read_traffic, serving, write_profiles, yaml_fragment)
+from tasks.common.errors import ConfigError
+from tasks.graph.models import TensorInfo
+from tasks.data.traffic import (TrafficDraws, inside, propose, read_traffic, serving, write_profiles, yaml_fragment)
 
 X = [TensorInfo("x", "float32", ["N", 3, "H", "W"])]
 
 
 @pytest.fixture(scope="module")
 def det():
-    from tasks.graph import load_onnx
-    from tasks.models import graph_io, resolve_source
+    from tasks.graph.edit import load_onnx
+    from tasks.graph.models import graph_io, resolve_source
 
     model = load_onnx(resolve_source("pkg://rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx"))
     return model, graph_io(model)[0]
@@ -100,8 +100,8 @@ def test_bad_records_are_refused_with_the_line_and_the_fix(tmp_path, lines, word
 
 
 def test_a_request_off_the_model_stride_is_refused(tmp_path):
-    from tasks.profiles import ShapeRules
-    from tasks.traffic import check_rules
+    from tasks.data.profiles import ShapeRules
+    from tasks.data.traffic import check_rules
 
     f = tmp_path / "t.jsonl"
     f.write_text('{"x": [1, 3, 720, 1280]}\n')

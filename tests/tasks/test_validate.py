@@ -1,10 +1,10 @@
 import numpy as np
 import pytest
 
-from tasks.errors import AccuracyError
-from tasks.metrics import compare, pooled_cosine, summarize
-from tasks.ort import ort_run, ort_session
-from tasks.validate import validate_onnx
+from tasks.common.errors import AccuracyError
+from tasks.accuracy.metrics import compare, pooled_cosine, summarize
+from tasks.onnxrt.ort import ort_run, ort_session
+from tasks.evaluate.validate import validate_onnx
 from tests.tasks.test_prequant import quantized_models  # noqa: F401  (session fixture)
 
 

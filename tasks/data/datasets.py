@@ -1,0 +1,417 @@
+"""Which inputs calibrate, which judge the accuracy search and which validate: three disjoint sets.
+
+Policy (summary.json ``data`` reports each set: samples, source, how it was made):
+
+* A sample is one slice along the batch axis (axis 0) of a feed whose inputs all share that axis; a feed whose inputs
+  do not (e.g. a recurrent state [2, B, 128] beside x [B, T]) is one indivisible sample. Image folders split by file.
+* ``validation.data`` validates when given. Otherwise:
+  - a build that calibrates (int8/fp8) holds a quarter of ``calibration.data`` out for validation and another quarter
+    for the accuracy search (at most MAX_VALIDATION / MAX_SEARCH samples); calibration takes the rest (at most
+    ``calibration.samples``);
+  - a build that does not calibrate (fp32/fp16) validates on all of ``calibration.data`` when given: data the user
+    gave for one purpose checks the other;
+  - else the model's images (a folder split by file, or synthetic pages rendered from separate seeds), else random
+    values inside the profiles (drawn from separate seeds).
+* When the data is too small to hold samples out, the split says so (``notes``): the search judges on the
+  calibration samples themselves, and validation uses what is left (the images recipe, else random inputs).
+* The same sample given in both ``calibration.data`` and ``validation.data`` is refused before any work.
+
+Sets made from a recipe or at random are made lazily (``DataSet.feeds``); ``key`` is what their content depends on
+(the cache key part), known without making them.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from tasks.common.errors import ConfigError
+from tasks.data.inputs import DataRecord, batch_size, calibration_shapes, generated_feeds, heldout_shapes, split_batches
+from tasks.graph.models import TensorInfo
+from tasks.data.profiles import ShapeRules
+from tasks.data.samples import GENERATOR_VERSION, list_images
+
+Feed = dict[str, np.ndarray]
+HOLD_OUT_SHARE = 0.25  # of the user's samples, for validation, and again for the search
+MAX_VALIDATION = 64  # samples held out for validation at most
+MAX_SEARCH = 8  # samples held out for the accuracy search at most (each candidate runs on all of them)
+SEARCH_RANDOM_SHAPES = 5  # generated search set: min, opt, max and this many random shapes (8 samples, as MAX_SEARCH)
+MIN_EVIDENCE = 5  # a validation on fewer samples says its evidence is thin
+
+
+@dataclass
+class DataSet:
+    purpose: str  # calibration | search | validation
+    kind: str  # file | images | synthetic | random
+    source: str  # in words, for summary.json and the report
+    key: dict  # what the content depends on (part of the stages' cache keys)
+    make: Callable[[], list[Feed]] | None = None
+    notes: list[str] = field(default_factory=list)
+    files: list[dict] = field(default_factory=list)  # the user's files (and their sha256) or image files this set read
+    _feeds: list[Feed] | None = None
+    _known: dict | None = None  # record() of this content, kept by a stage that made it (see remember)
+
+    @property
+    def feeds(self) -> list[Feed]:
+        if self._feeds is None:
+            self._feeds = self.make() if self.make else []
+        return self._feeds
+
+    @property
+    def made(self) -> bool:
+        return self._feeds is not None
+
+    @property
+    def samples(self) -> int:
+        return self._known["samples"] if self._feeds is None and self._known else sum(batch_size(f) for f in self.feeds)
+
+    def fingerprint(self) -> str:
+        """What the content depends on, hashed (the key names it whole: seeds, shapes, generator, files' sha256)."""
+        return hashlib.sha256(json.dumps([self.purpose, self.key], sort_keys=True, default=str).encode()).hexdigest()
+
+    def remember(self, known: dict) -> None:
+        """A record of this set kept by a cached stage ({"fingerprint", "record"}): summary.json's figures without
+        making the data again (rendering a model's images takes seconds), taken only when the content is the same."""
+        if self._feeds is None and known.get("fingerprint") == self.fingerprint():
+            self._known = known["record"]
+
+    @property
+    def thin(self) -> list[str]:
+        """Why this set is weak evidence for a verdict (empty when it is not)."""
+        why = []
+        if self.kind == "random":
+            why.append("random inputs inside the profiles: the verdict says nothing about real inputs "
+                       "(give validation.data, calibration.data or model.images)")
+        if self.samples < MIN_EVIDENCE:
+            why.append(f"only {self.samples} samples")
+        return why
+
+    def record(self) -> dict:
+        if self._feeds is None and self._known is not None:
+            return self._known
+        rec = DataRecord.of(self.feeds, self.kind, files=self.files, notes=list(self.notes))
+        return {"samples": rec.samples, "feeds": rec.feeds, "source": self.source, "kind": self.kind,
+                "shapes": rec.shapes, **({"files": self.files} if self.files else {}),
+                **({"notes": self.notes} if self.notes else {})}
+
+
+@dataclass
+class DataSplit:
+    calibration: DataSet | None = None
+    search: DataSet | None = None
+    validation: DataSet | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        """summary.json ``data``: one entry per set that exists."""
+        return {s.purpose: s.record() for s in self.sets()}
+
+    def sets(self) -> list[DataSet]:
+        return [s for s in (self.calibration, self.search, self.validation) if s is not None]
+
+    def made_records(self) -> dict:
+        """{purpose: {"fingerprint", "record"}} of the sets made so far: what a stage keeps with its result."""
+        return {s.purpose: {"fingerprint": s.fingerprint(), "record": s.record()} for s in self.sets() if s.made}
+
+    def remember(self, records: dict) -> None:
+        for s in self.sets():
+            if s.purpose in records:
+                s.remember(records[s.purpose])
+
+
+@dataclass
+class UserData:
+    """Arrays the user gave (calibration.data or validation.data), loaded and checked by tasks.data.inputs.load_data."""
+    key: str  # the config key
+    path: str
+    sha256: str
+    feeds: list[Feed]
+    files: list[dict]
+
+
+def split_data(*, inputs: list[TensorInfo], profiles: list[dict], rules: ShapeRules, calibrate: bool, search: bool,
+               validate: bool, calibration_data: UserData | None = None, validation_data: UserData | None = None,
+               recipe: dict | None = None, calibration_samples: int = 16, validation_samples: int = 4,
+               seed: int = 0, validation_seed: int = 0) -> DataSplit:
+    """The three sets for one build (see the module doc). ``calibrate``/``search``/``validate``: which sets it needs."""
+    split = DataSplit()
+    gen = _Generated(inputs, profiles, rules, recipe, seed)
+    if calibration_data is not None and validation_data is not None:
+        _refuse_overlap(calibration_data, validation_data, profiles)
+    if validate and validation_data is not None:
+        split.validation = _from_user(validation_data, "validation", validation_data.feeds, inputs, profiles)
+
+    if calibrate and calibration_data is not None:
+        units = _units(calibration_data.feeds, profiles)
+        order = list(np.random.default_rng(seed).permutation(len(units)))
+        n = len(units)
+        n_val = min(MAX_VALIDATION, math.ceil(n * HOLD_OUT_SHARE)) if validate and split.validation is None else 0
+        n_search = min(MAX_SEARCH, math.ceil(n * HOLD_OUT_SHARE)) if search else 0
+        if n - n_val - n_search < 1:  # too few: validation first (it gates), then the search
+            n_search = max(0, n - n_val - 1) if n_val else max(0, n - 1)
+            n_val = min(n_val, max(0, n - 1))
+            n_search = min(n_search, max(0, n - n_val - 1))
+        val_idx, search_idx = order[:n_val], order[n_val:n_val + n_search]
+        cal_idx = order[n_val + n_search:]
+        cal_units = _cap([units[i] for i in sorted(cal_idx)], calibration_samples)
+        split.calibration = _from_user(calibration_data, "calibration", _batches(cal_units, inputs, profiles),
+                                       inputs, profiles, held=(n_val, n_search))
+        if n_search:
+            split.search = _from_user(calibration_data, "search", _batches([units[i] for i in sorted(search_idx)],
+                                                                             inputs, profiles), inputs, profiles)
+        elif search:
+            split.notes.append(f"calibration.data holds {n} samples: too few to hold any out for the accuracy search, "
+                               "which judges on the calibration samples themselves")
+        if n_val:
+            split.validation = _from_user(calibration_data, "validation", _batches([units[i] for i in sorted(val_idx)],
+                                                                                 inputs, profiles), inputs, profiles)
+        elif validate and split.validation is None:
+            split.notes.append(f"calibration.data holds {n} samples: too few to hold any out for validation "
+                               "(give validation.data=... for a check on real inputs)")
+    elif calibrate:  # the model's images, or random inputs
+        files = gen.image_files()
+        if files is not None:
+            n = len(files)
+            n_val = math.ceil(n * HOLD_OUT_SHARE) if validate and split.validation is None and n >= 3 else 0
+            n_search = math.ceil(n * HOLD_OUT_SHARE) if search and n >= 3 else 0
+            order = [files[i] for i in np.random.default_rng(seed).permutation(n)]
+            val_files, search_files, cal_files = order[:n_val], order[n_val:n_val + n_search], order[n_val + n_search:]
+            split.calibration = gen.calibration(calibration_samples, cal_files)
+            if n_search:
+                split.search = gen.search(search_files)
+            elif search:
+                split.notes.append(f"model.images.source holds {n} images: too few to hold any out for the accuracy "
+                                   "search, which judges on the calibration images themselves")
+            if n_val:
+                split.validation = gen.validation(validation_samples, validation_seed, val_files)
+            elif validate and split.validation is None:
+                split.notes.append(f"model.images.source holds {n} images: too few to hold any out for validation")
+        else:
+            split.calibration = gen.calibration(calibration_samples)
+            if search:
+                split.search = gen.search()
+
+    elif search:  # a build that does not calibrate (fp16) but searches: its own held-out samples, none validates
+        if calibration_data is not None:
+            units = _units(calibration_data.feeds, profiles)
+            n = len(units)
+            order = list(np.random.default_rng(seed).permutation(n))
+            own_validation = not validate or split.validation is not None
+            n_search = min(MAX_SEARCH, n if own_validation else math.ceil(n * HOLD_OUT_SHARE)) \
+                if own_validation or n >= 2 else 0
+            if n_search:
+                split.search = _from_user(calibration_data, "search", _batches(
+                    [units[i] for i in sorted(order[:n_search])], inputs, profiles), inputs, profiles,
+                    held=(0, n_search) if not own_validation else (0, 0))
+                if not own_validation:
+                    split.validation = _from_user(
+                        calibration_data, "validation", _batches([units[i] for i in sorted(order[n_search:])], inputs,
+                                                                 profiles), inputs, profiles, held=(n - n_search, 0),
+                        notes=["the build does not calibrate: the calibration data validates it, less the samples "
+                               "held out for the fp16 accuracy search"])
+            else:
+                split.search = gen.search()
+                split.notes.append(f"calibration.data holds {n} sample: too few to hold one out for the fp16 accuracy "
+                                   "search, which judges on generated inputs")
+        else:
+            files = gen.image_files()
+            if files is not None and len(files) >= 3 and validate and split.validation is None:
+                n = len(files)
+                order = [files[i] for i in np.random.default_rng(seed).permutation(n)]
+                n_search = math.ceil(n * HOLD_OUT_SHARE)
+                split.search = gen.search(order[:n_search])
+                split.validation = gen.validation(validation_samples, validation_seed, order[n_search:])
+            elif files is None:  # rendered pages or random inputs, from seeds of their own
+                split.search = gen.search()
+            else:
+                split.notes.append(f"model.images.source holds {len(files)} images: too few to hold any out for the "
+                                   "fp16 accuracy search, which does not run")
+
+    if validate and split.validation is None:
+        if not calibrate and calibration_data is not None:
+            split.validation = _from_user(calibration_data, "validation", calibration_data.feeds, inputs, profiles,
+                                          notes=["the build does not calibrate: the calibration data validates it"])
+        else:  # the images recipe, unless calibration took every image of its folder; else random inputs
+            used_up = calibrate and calibration_data is None and gen.image_files() is not None
+            split.validation = gen.validation(validation_samples, validation_seed, recipe_ok=not used_up)
+    if split.validation is not None:
+        split.validation.notes += split.notes
+    return split
+
+
+# --- the user's arrays, sample by sample ----------------------------------------------------------------------
+
+def _units(feeds: list[Feed], profiles: list[dict]) -> list[tuple[Feed, bool]]:
+    """(sample, splittable) pairs: each feed sliced along axis 0 into its samples (the profile's minimum batch each)
+    where all its inputs share that axis, else the whole feed as one indivisible sample."""
+    out = []
+    for f in feeds:
+        lengths = {a.shape[0] for a in f.values() if a.ndim > 0}
+        b = lengths.pop() if len(lengths) == 1 else None
+        lo = _min_batch(f, profiles)
+        if b is None or lo is None or b <= lo or b % lo:
+            out.append((f, False))
+            continue
+        out += [({k: (a[i:i + lo] if a.ndim > 0 else a) for k, a in f.items()}, True) for i in range(0, b, lo)]
+    return out
+
+
+def _min_batch(feed: Feed, profiles: list[dict]) -> int | None:
+    """The smallest batch the first profile that fits the feed's other dims accepts (None: no profile fits)."""
+    for p in profiles:
+        if all(n in p and all(lo <= d <= hi for d, lo, hi in zip(a.shape[1:], p[n]["min"][1:], p[n]["max"][1:]))
+               for n, a in feed.items() if a.ndim > 0):
+            return max([p[n]["min"][0] for n, a in feed.items() if a.ndim > 0 and n in p] or [1])
+    return None
+
+
+def _cap(units: list[tuple[Feed, bool]], limit: int) -> list[tuple[Feed, bool]]:
+    out, n = [], 0
+    for u in units:
+        if n >= limit:
+            break
+        out.append(u)
+        n += batch_size(u[0])
+    return out
+
+
+def _batches(units: list[tuple[Feed, bool]], inputs: list[TensorInfo], profiles: list[dict]) -> list[Feed]:
+    """Samples back into feeds of the profile's opt batch: splittable samples of the same shape are concatenated and
+    batched (tasks.data.inputs.split_batches), indivisible ones stay as they are; order kept."""
+    feeds: list[Feed] = []
+    group: list[Feed] = []
+
+    def flush() -> None:
+        if group:
+            arrays = {k: (np.concatenate([g[k] for g in group]) if group[0][k].ndim > 0 else group[0][k])
+                      for k in group[0]}
+            feeds.extend(split_batches(arrays, inputs, profiles, "held-out data"))
+            group.clear()
+
+    for feed, splittable in units:
+        sig = {k: a.shape[1:] for k, a in feed.items()}
+        if not splittable:
+            flush()
+            feeds.append(feed)
+        elif group and {k: a.shape[1:] for k, a in group[0].items()} != sig:
+            flush()
+            group.append(feed)
+        else:
+            group.append(feed)
+    flush()
+    return feeds
+
+
+def _digest(feed: Feed) -> str:
+    h = hashlib.sha256()
+    for k in sorted(feed):
+        a = np.ascontiguousarray(feed[k])
+        h.update(f"{k}|{a.dtype.str}|{a.shape}|".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def _refuse_overlap(cal: UserData, val: UserData, profiles: list[dict]) -> None:
+    seen = {_digest(u) for u, _ in _units(cal.feeds, profiles)}
+    shared = sum(_digest(u) in seen for u, _ in _units(val.feeds, profiles))
+    if shared:
+        same = " (the same files)" if cal.sha256 == val.sha256 else ""
+        raise ConfigError(f"calibration.data={cal.path!r} and validation.data={val.path!r} share {shared} samples{same}: "
+                          "a build would be judged on data it was calibrated on",
+                          fix="give validation.data samples that calibration.data does not hold, or leave validation.data "
+                              "unset and trtforge holds samples of calibration.data out for validation")
+
+
+def _from_user(data: UserData, purpose: str, feeds: list[Feed], inputs, profiles, held: tuple[int, int] = (0, 0),
+               notes: list[str] | None = None) -> DataSet:
+    what = f"{data.key} ({data.path}, sha256 {data.sha256[:12]})"
+    if purpose != data.key.split(".")[0] or held != (0, 0):
+        part = {"calibration": "the samples not held out", "search": "samples held out for the accuracy search",
+                "validation": "samples held out for validation"}[purpose]
+        what = f"{part} of {what}"
+    digest = hashlib.sha256("".join(_digest(f) for f in feeds).encode()).hexdigest()
+    return DataSet(purpose, "file", what, {"data": data.sha256, "samples": digest}, make=lambda: feeds,
+                   notes=list(notes or []), files=data.files)
+
+
+# --- sets made from the model's images recipe or at random ----------------------------------------------------
+
+class _Generated:
+    def __init__(self, inputs, profiles, rules, recipe, seed):
+        self.inputs, self.profiles, self.rules, self.recipe, self.seed = inputs, profiles, rules, recipe, seed
+
+    def image_files(self) -> list[str] | None:
+        """The recipe's image files (a folder), or None (synthetic pages or no recipe)."""
+        src = str((self.recipe or {}).get("source", ""))
+        if not src or src.startswith("synthetic:"):
+            return None
+        return [str(f) for f in list_images(src, "model.images.source")]
+
+    def _kind_source(self, files: list[str] | None) -> tuple[str, str, dict]:
+        if self.recipe is None:
+            return "random", "random inputs inside the profiles", {}
+        src = str(self.recipe["source"])
+        if src.startswith("synthetic:"):
+            return "synthetic", f"images rendered by model.images.source={src}", {"recipe": self.recipe}
+        from tasks.common.util import sha256_file
+
+        names = sorted(files or [])
+        return "images", f"{len(names)} images of model.images.source={src}", {
+            "recipe": self.recipe, "images": [(n.rsplit('/', 1)[-1], sha256_file(n)) for n in names]}
+
+    def calibration(self, samples: int, files: list[str] | None = None) -> DataSet:
+        rng = np.random.default_rng(self.seed + 1000)
+        shapes = calibration_shapes(self.profiles[0], samples, rng, self.rules)
+        kind, source, key = self._kind_source(files)
+
+        def make() -> list[Feed]:
+            return [generated_feeds(self.inputs, [s], 0, self.seed + 1000 + i, recipe=self.recipe, offset=i,
+                                    files=files)[0] for i, s in enumerate(shapes)]
+        return DataSet("calibration", kind, source, {**key, "shapes": shapes, "seed": self.seed + 1000,
+                                                     "generator": GENERATOR_VERSION}, make, files=_listed(files))
+
+    def search(self, files: list[str] | None = None) -> DataSet:
+        rng = np.random.default_rng(self.seed + 5000)
+        shapes = heldout_shapes(self.profiles[0], SEARCH_RANDOM_SHAPES, rng, self.rules)
+        kind, source, key = self._kind_source(files)
+
+        def make() -> list[Feed]:
+            return [generated_feeds(self.inputs, [s], 0, self.seed + 5000 + i, recipe=self.recipe,
+                                    offset=10_000 + i, files=files)[0] for i, s in enumerate(shapes)]
+        return DataSet("search", kind, source, {**key, "shapes": shapes, "seed": self.seed + 5000,
+                                                "generator": GENERATOR_VERSION}, make, files=_listed(files))
+
+    def validation(self, samples: int, seed: int, files: list[str] | None = None, recipe_ok: bool = True) -> DataSet:
+        recipe = self.recipe if recipe_ok else None
+        gen = self if recipe_ok else _Generated(self.inputs, self.profiles, self.rules, None, self.seed)
+        kind, source, key = gen._kind_source(files)
+        notes = [f"shapes drawn on steps {self.rules.inferred} inferred from the profiles (set model.shape_multiple "
+                 "to choose)"] if self.rules.inferred else []
+
+        def make() -> list[Feed]:
+            return generated_feeds(self.inputs, self.profiles, samples, seed, recipe=recipe, rules=self.rules,
+                                   offset=20_000, files=files)
+        return DataSet("validation", kind, source, {**key, "samples": samples, "seed": seed,
+                                                    "rules": self.rules.as_dict(), "generator": GENERATOR_VERSION},
+                       make, notes=notes, files=_listed(files))
+
+
+def _listed(files: list[str] | None) -> list[dict]:
+    return [{"file": f.rsplit("/", 1)[-1]} for f in sorted(files)] if files else []
+
+
+def describe_thin(s: DataSet | None) -> str | None:
+    """One sentence for a verdict whose evidence is thin, or None."""
+    if s is None or not s.thin:
+        return None
+    return f"thin evidence: {'; '.join(s.thin)}"
+
+
+def as_user_data(key: str, loaded: tuple[list[Feed], DataRecord]) -> UserData:
+    feeds, rec = loaded
+    return UserData(key, rec.path or "", rec.sha256 or "", feeds, rec.files)
+

@@ -1,0 +1,171 @@
+"""The accuracy-budget search: which layers to quantize so that the model stays within ``accuracy.min_cosine``.
+
+A pure function of whole-model judgements (``meets(names)``: the model with exactly ``names`` quantized reaches the
+target on the search's held-out samples) and of a per-layer ``harm`` measured by the caller (tasks/quantization/calibrate.py: the
+layer's own output error with only it quantized, from fp32 activations: no whole-model run per layer).
+
+It searches from every layer quantized towards fewer, restoring the most harmful layers per FLOP first, then screens
+the large restored layers in the configuration found (each one's loss on top of it) and takes back what fits: the
+screen, not the ranking, decides most of what ends up quantized. Ranking by whole-model runs (the gain of restoring
+each layer alone in the all-int8 graph, one run per layer: 14 s on PP-OCRv4 det; before that, the loss of quantizing
+each alone in the fp32 graph on every search sample: ~180 s) found no better boundary (PP-OCRv4 det 18 + 6 pages:
+12 of 72 layers before the screen, 29 after; ranked locally: 15, then 22 carrying 87% of the FLOPs instead of 79%).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+
+def search_target(budget: float, margin: float, samples: int | None = None) -> float:
+    """The cosine the search aims at: ``margin`` of the allowed error (1 - budget) above the budget, so the budget still
+    holds when validate checks other samples and shapes (0.25 with budget 0.99 -> 0.9925). Judged on fewer than
+    MARGIN_SAMPLES held-out samples the margin grows as 1/sqrt(samples) (the standard error of their mean): 2 samples
+    double it (0.995)."""
+    if samples:
+        margin = margin * max(1.0, (MARGIN_SAMPLES / samples) ** 0.5)
+    return min(1.0, budget + (1.0 - budget) * min(margin, 1.0))
+
+
+MARGIN_SAMPLES = 8  # held-out samples at which calibration.budget_margin applies as given
+
+
+JUDGE_CALIBRATION = 8  # calibration feeds judged beside the held-out ones
+
+
+def judged_samples(held_out: int, calibration: int) -> int:
+    """How many samples judge the search (tasks/quantization/calibrate.py): the held-out ones and up to ``JUDGE_CALIBRATION`` of the
+    calibration samples; the calibration samples alone when none are held out."""
+    return held_out + min(calibration, JUDGE_CALIBRATION) if held_out else calibration
+
+
+REFINE = 24  # restored layers screened after the binary search (those with at least refine_share of the FLOPs, largest)
+REFINE_JUDGEMENTS = 12  # whole judgements the screened refinement spends at most, most promising candidates first:
+# PP-OCRv6 det (zoo: 16 + 8 samples, up to 4 pages of 960 px, 4.5 s a judgement) spent 14 on its 17 candidates: calibrate
+# 136 s, 86.5% of the conv FLOPs int8; at most 12: 100 s, 81.7%; at most 8: 102 s, 76.3%. Trying only the 12 largest
+# candidates instead cut minilm's int8 FLOPs from 63% to 56% and PP-OCRv6 rec's from 67% to 42% (their largest layers
+# are their most sensitive)
+
+SKIP_LOSS = 2.0  # a refinement candidate is judged while its screened loss is at most this many times the margin left
+
+
+def restore_search(layers: list[str], meets: Callable[[list[str]], bool], harm: dict[str, float],
+                   flops: dict[str, float] | None = None, refine: int = REFINE,
+                   refine_share: float = 0.005,
+                   screen: Callable[[list[str], list[str]], dict[str, float]] | None = None,
+                   slack: Callable[[], float | None] | None = None,
+                   judgements: int = REFINE_JUDGEMENTS) -> tuple[list[str], int]:
+    """The layers to quantize, searched from every layer quantized towards fewer (the other direction of
+    the former budget search): layers are restored to the high precision in order of ``harm`` (the accuracy a layer costs,
+    measured or estimated) per FLOP kept out of the quantized type, most harmful first; the shortest restored prefix
+    whose complement ``meets`` the budget is found by binary search (log2 of the layer count judged runs); then the
+    restored layers that carry at least ``refine_share`` of the FLOPs (up to ``refine``), most FLOPs first, are tried
+    back: what the ranking misjudged, where it matters for the share of FLOPs quantized. ``meets`` is judged
+    on whole-model runs. Returns (chosen layers, runs of ``meets``).
+
+    Without ``screen`` each of them is judged back one by one (one whole judgement each: PP-OCRv4 det, 24 pages,
+    24 judgements of 14 pages, two thirds of the search's runs). With ``screen`` (quantized layers, candidates ->
+    {candidate: the accuracy lost by quantizing it alone on top of them}, measured cheaply: one run of one sample
+    each) the candidates are re-ranked by that loss per FLOP in the configuration the binary search found, and the
+    greedy pass over that order judges runs of candidates together (each run the candidates whose losses add up to
+    ``slack()``, the last met judgement's margin above the target), spending at most ``judgements`` of them. Every
+    layer taken back is confirmed by a whole judgement, so the budget holds as before; fewer judgements decide."""
+    flops = flops or {}
+    order = sorted(layers, key=lambda n: -harm.get(n, 0.0) / max(flops.get(n) or 1.0, 1.0))
+    runs = 0
+
+    def ok(restored: set[str]) -> bool:
+        nonlocal runs
+        runs += 1
+        return meets([n for n in layers if n not in restored])
+
+    memo: dict[int, bool] = {}
+
+    def prefix(k: int) -> bool:
+        if k not in memo:
+            memo[k] = ok(set(order[:k]))
+        return memo[k]
+
+    if prefix(0):
+        return list(layers), runs
+    # prefix(0) fails; prefix(len) = nothing quantized, taken to meet
+    _, hi = _bisect(0, len(order), prefix)
+    if hi == len(order) and not prefix(hi):  # not even the graph without any quantized layer meets: nothing to refine
+        return [], runs
+    restored = set(order[:hi])  # everything, when no prefix met the target: the large layers are still tried below
+    total = sum(flops.get(n) or 0.0 for n in layers) or 1.0
+    big = [n for n in restored if (flops.get(n) or 0.0) >= refine_share * total]
+    big = sorted(big, key=lambda n: -(flops.get(n) or 0.0))[:refine]
+    if screen is None or len(big) < 2:
+        for n in big:
+            if ok(restored - {n}):
+                restored.discard(n)
+        return [n for n in layers if n not in restored], runs
+    loss = screen([n for n in layers if n not in restored], big)
+    cand = sorted(big, key=lambda n: max(loss.get(n, 0.0), 0.0) / max(flops.get(n) or 1.0, 1.0))
+    # the one-by-one greedy pass over ``cand`` (each taken back when it meets on top of those taken before), judged in
+    # runs of candidates: the run whose screened losses add up to the margin left (the last met judgement's, at least
+    # one candidate) is judged at once; met, it is taken back and the next run guessed from the new margin; missed, the
+    # longest part of it that meets is found by a binary search and the candidate after it (which failed on top of it)
+    # is skipped. Where the screen is right this costs one judgement per run; where every candidate fails, one each,
+    # as one by one. (Galloping from each met run, 1, 2, 4, ..., cost PP-OCRv6 det 21 judgements for 17 candidates.)
+    i, start = 0, runs
+    while i < len(cand) and runs - start < judgements:
+        left = slack() if slack is not None else None
+        if left is not None and left >= 0:  # a candidate whose screened loss is far beyond the margin left is not
+            # judged (a narrowly failing judgement runs most feeds before it is refused: PP-OCRv4 det, 9 of them after
+            # the margin fell to 2e-5, 18 s)
+            cand[i:] = [n for n in cand[i:] if loss.get(n, 0.0) <= SKIP_LOSS * left]
+            if i >= len(cand):
+                break
+        rest = cand[i:]
+
+        def back(k: int) -> bool:
+            return ok(restored - set(rest[:k]))
+
+        k, spent = 0, 0.0
+        while k < len(rest) and (k == 0 or (left is not None and spent + max(loss.get(rest[k], 0.0), 0.0) <= left)):
+            spent += max(loss.get(rest[k], 0.0), 0.0)
+            k += 1
+        if back(k):
+            restored -= set(rest[:k])
+            i += k
+            continue
+        lo, _ = _bisect(0, k, lambda m: not back(m))  # back(0) meets (the last judgement), back(k) does not
+        restored -= set(rest[:lo])
+        i += lo + 1  # rest[lo] fails on top of rest[:lo]
+    return [n for n in layers if n not in restored], runs
+
+
+def _bisect(lo: int, hi: int, flips: Callable[[int], bool]) -> tuple[int, int]:
+    """(lo, hi) with hi = lo + 1 where ``flips`` turns from False (at lo) to True (at hi), by halving [lo, hi]."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if flips(mid):
+            hi = mid
+        else:
+            lo = mid
+    return lo, hi
+
+
+SUMMED = ("quantized_layers", "fallback_layers", "search_runs")  # counts over a model's segments
+LARGEST = ("search_samples", "calibration_samples", "search_cosine_se")  # the same sets (or the widest error)
+LOWEST = ("search_cosine", "search_cosine_bound", "search_cosine_worst_feed", "search_cosine_all_quantized",
+          "search_cosine_fp16", "search_score_worst_feed", "search_score_all_quantized", "search_score_fp16")
+
+
+def combined_search_metrics(per_segment: list[dict]) -> dict:
+    """One figure per search metric over a model's TensorRT segments (int8's calibrate and fp16's build alike): layer
+    and run counts summed, sample counts and the standard error the largest, every figure of accuracy the lowest
+    segment's, ``search_metric`` as named; a metric no segment measured stays absent."""
+    out: dict = {}
+    for m in per_segment:
+        for k, v in m.items():
+            if k in SUMMED:
+                out[k] = out.get(k, 0) + v
+            elif k in LARGEST:
+                out[k] = max(out.get(k, v), v)
+            elif k in LOWEST:
+                out[k] = min(out.get(k, v), v)
+            elif k == "search_metric":
+                out[k] = v
+    return out
