@@ -46,7 +46,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from tasks.trt.backend import Backend
-    from tasks.trt.network import onnx_flops
+    from tasks.graph.flops import onnx_flops
     from tasks.graph.edit import load_onnx
     from tasks.graph.models import graph_io, resolve_source
     from tasks.data.traffic import activation_mib, check_given, propose, read_traffic, serving

@@ -172,7 +172,7 @@ def _build_engines(ctx: BuildContext) -> StageResult:
     from tasks.graph.edit import load_onnx
     from tasks.fp16.convert import fp16_hazards_from_data
     from tasks.prequant.rewrite import precision_for
-    from tasks.search.restore import search_target
+    from tasks.accuracy.budget import search_target
     from tasks.partition.segments import all_segment_feeds
 
     t, q = ctx.cfg.target, prequantized(ctx)  # a quantized model keeps it; its float part is what precision says
@@ -290,7 +290,7 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
 def _calibrate(ctx: BuildContext) -> StageResult:
     """calibrate on the current plan (with_replans tries again on a new plan where TensorRT cannot build a segment)."""
     from tasks.quantization.calibrate import judge_feeds_of, low_share_warning, qdq_for_segments
-    from tasks.search.restore import judged_samples, search_target
+    from tasks.accuracy.budget import judged_samples, search_target
     from tasks.partition.segments import Rest, segment_feeds
 
     p, c = ctx.cfg.precision, ctx.cfg.calibration
@@ -378,7 +378,7 @@ def search_judge(ctx: BuildContext, segs: list[dict], samples: int | None, stage
     the margin as given)."""
     from tasks.graph.models import graph_io
     from tasks.graph.edit import load_onnx
-    from tasks.search.restore import search_target
+    from tasks.accuracy.budget import search_target
 
     metric = accuracy_metric(ctx)
     margin = search_target(0.0, ctx.cfg.calibration.budget_margin, samples)  # the share of the error held in reserve
@@ -430,7 +430,7 @@ def weight_only(ctx: BuildContext) -> int:
 def _float_weight_segments(segs: list[dict], d: Path) -> dict[int, tuple[Path, dict]]:
     """Each segment with weight-only DequantizeLinear nodes, its weights folded to float (for calibration): index ->
     (ONNX file, the model's codes and scales by weight)."""
-    from tasks.sources.export import save_onnx
+    from tasks.graph.models import save_onnx
     from tasks.graph.edit import load_onnx
     from tasks.prequant.weight_only import float_weights
 
@@ -447,7 +447,7 @@ def _float_weight_segments(segs: list[dict], d: Path) -> dict[int, tuple[Path, d
 
 def _keep_weight_scales(r: StageResult, shipped: dict[int, tuple[Path, dict]]) -> dict:
     """The model's own int8 weights back into each quantized segment; {"restored": n, "weights": n}."""
-    from tasks.sources.export import save_onnx
+    from tasks.graph.models import save_onnx
     from tasks.graph.edit import load_onnx
     from tasks.prequant.weight_only import keep_weight_scales
 

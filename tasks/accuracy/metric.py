@@ -206,7 +206,7 @@ class Metric:
         its tolerances by it; a user function passes or not (1.0 / 0.0, target 1.0)."""
         m = min(max(float(margin_share), 0.0), 1.0)
         if self.name == "cosine":
-            from tasks.search.restore import search_target
+            from tasks.accuracy.budget import search_target
             return SearchJudge(self, "cosine", search_target(self.min_cosine, m), lambda o, r, f: min(
                 cosine(o[k], r[k]) for k in r))
         if self.name == "allclose":
@@ -313,10 +313,10 @@ def from_config(acc: Any, search: list[Path] | None = None) -> Metric:
 def load_function(name: str, search: list[Path] | None = None) -> tuple[Callable, str | None]:
     """``module:function`` imported as a torch factory is (the working directory, then the config dir, on sys.path;
     the module imported fresh so that an edited file is what runs)."""
-    from tasks.sources.export import _add_import_paths, fresh_user_modules
+    from tasks.common.usermodules import add_import_paths, fresh_user_modules
 
     mod_name, _, fn_name = name.partition(":")
-    _add_import_paths(search)
+    add_import_paths(search)
     fresh_user_modules(mod_name, search)
     try:
         mod = importlib.import_module(mod_name)
@@ -339,10 +339,10 @@ def fingerprint(acc: Any, search: list[Path] | None = None) -> dict | None:
         return None
     import importlib.util
 
-    from tasks.sources.export import _add_import_paths
+    from tasks.common.usermodules import add_import_paths
     from tasks.common.util import sha256_file
 
-    _add_import_paths(search)
+    add_import_paths(search)
     try:
         spec = importlib.util.find_spec(name.partition(":")[0])
     except (ImportError, ValueError):

@@ -59,7 +59,7 @@ def onnx_at_precision(fp32_path: Path, precision: str, out_path: Path, keep_fp32
         return StageResult(files={"onnx": out_path}, metrics={})
     import onnx
 
-    from tasks.sources.export import save_onnx
+    from tasks.graph.models import save_onnx
 
     if precision == "fp32":
         from tasks.graph.edit import fp32_from_fp16
@@ -104,7 +104,7 @@ def check_types(path: Path, segment: int, stage: str) -> None:
     of same type"), naming the node and the two types."""
     import onnx
 
-    from tasks.fp16.convert import mixed_input_types
+    from tasks.graph.types import mixed_input_types
 
     bad = mixed_input_types(onnx.load(str(path), load_external_data=False))
     if bad:

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from tasks.common.errors import ConfigError
-from tasks.trt.network import inferred_at, onnx_flops
+from tasks.graph.flops import inferred_at, onnx_flops
 from tasks.graph.models import TensorInfo
 
 KEY = "model.traffic.source"

@@ -41,7 +41,7 @@ NOT_CANDIDATES = ("Cast", "Constant", "Identity", "Shape", "Size")  # nothing to
 
 def fp16_candidates(model16: onnx.ModelProto) -> list[str]:
     """Top-level nodes of a converted graph that compute in fp16 (an fp16 float output), in graph order."""
-    from tasks.fp16.convert import value_types
+    from tasks.graph.types import value_types
 
     types = value_types(model16)
     return [n.name for n in model16.graph.node if n.op_type not in NOT_CANDIDATES
@@ -109,8 +109,8 @@ class Judge:
     feed (``SearchJudge.value``)."""
 
     def __init__(self, feeds: list[Feed], refs: list[dict], metric=None, z: float | None = None):
-        from tasks.quantization.calibrate import JUDGE_Z
-        from tasks.quantization.sensitivity import output_norms
+        from tasks.search.judging import JUDGE_Z
+        from tasks.search.judging import output_norms
 
         self.feeds, self.refs, self.metric = feeds, refs, metric
         self.value = None if metric is None or metric.name == "cosine" else metric.value
@@ -137,7 +137,7 @@ class Judge:
     def estimate(self, model16: onnx.ModelProto):
         """The graph on every sample: ``tasks.quantization.calibrate.Judged`` (the pooled cosine, its standard error and the bound
         less ``z`` of them; another metric: its worst feed as all three) with the worst single sample's cosine."""
-        from tasks.quantization.calibrate import Judged
+        from tasks.search.judging import Judged
 
         run = self._runner(model16)
         outs = [run(f) for f in self.feeds]
@@ -150,7 +150,7 @@ class Judge:
     def meets(self, model16: onnx.ModelProto, target: float) -> bool:
         """Whether the graph meets ``target`` (``tasks.quantization.sensitivity.meets_target``: the samples that fell shortest before
         run first; a candidate is refused as soon as those run prove it cannot)."""
-        from tasks.quantization.sensitivity import meets_target
+        from tasks.search.judging import meets_target
 
         return meets_target(self._runner(model16), self.feeds, self.refs, target, self._miss, self._norms, self.z,
                             self.value)[0]
@@ -169,8 +169,8 @@ def fp16_within_budget(fp32_path: Path, out_path: Path, feeds: list[Feed], targe
     (the written graph's worst sample), ``fallback_layers`` (nodes the search kept fp32), ``search_samples``,
     ``search_runs``, ``search_seconds``; details: the kept nodes with what each costs, and the ranking
     (``sensitivity``, as the int8 search reports it)."""
-    from tasks.sources.export import save_onnx
-    from tasks.trt.network import onnx_flops
+    from tasks.graph.models import save_onnx
+    from tasks.graph.flops import onnx_flops
     from tasks.data.inputs import batch_size
     from tasks.onnxrt.ort import ort_session, ort_run
     from tasks.search.restore import restore_search

@@ -90,3 +90,15 @@ def graph_io(model) -> tuple[list[TensorInfo], list[TensorInfo]]:
     outs = [TensorInfo(o.name, ONNX_DTYPES.get(o.type.tensor_type.elem_type, str(o.type.tensor_type.elem_type)), value_dims(o))
             for o in model.graph.output]
     return ins, outs
+
+
+MAX_PROTO = 1_800_000_000  # above this, weights go to a side file (protobuf's 2 GB limit)
+
+
+def save_onnx(model, path: Path) -> None:
+    import onnx
+
+    if model.ByteSize() > MAX_PROTO:
+        onnx.save(model, str(path), save_as_external_data=True, location=path.name + ".data")
+    else:
+        onnx.save(model, str(path))

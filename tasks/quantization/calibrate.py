@@ -15,7 +15,6 @@ and validated 0.9899 on 17 others, whose pages spread from 0.95 to 0.996).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 import tempfile
 import time
 from pathlib import Path
@@ -24,15 +23,17 @@ from typing import Callable
 import numpy as np
 
 from tasks.common.errors import AccuracyError, ConfigError, StageError, UnavailableError
-from tasks.trt.network import onnx_flops
+from tasks.graph.flops import onnx_flops
 from tasks.graph.edit import fold_constants, fp32_from_fp16, opset_of, uniquify_node_names, with_opset
 from tasks.data.inputs import batch_size
-from tasks.accuracy.metrics import pooled_estimate, pooled_sums, worst_feed_cosine
+from tasks.accuracy.metrics import worst_feed_cosine
 from tasks.onnxrt.ort import ordered_runs, ort_runner, quiet_python_logging, run_workers
 from tasks.fp16.convert import DATA_MAX, fp16_hazards_from_data
 from tasks.quantization.qdq import PRECISIONS, QUANT_OPS, Quantizer
 from tasks.quantization.ranges import DEFAULT_METHOD, METHODS, alternative_ranges, ranges_from_feeds, save_ranges
-from tasks.search.restore import JUDGE_CALIBRATION, combined_search_metrics, restore_search
+from tasks.search.judging import JUDGE_Z, Judged
+from tasks.search.restore import combined_search_metrics, restore_search
+from tasks.accuracy.budget import JUDGE_CALIBRATION
 from tasks.quantization.sensitivity import Switchable, local_errors
 from tasks.common.util import StageResult
 
@@ -42,37 +43,7 @@ MIN_OPSET = 19  # float16 Q/DQ scales (the fp16 remainder) and float8 need opset
 RANK_FEEDS = 8  # calibration samples the local errors (range choice, report) are measured on
 PREPARE_FEEDS = 2  # held-out samples the prepared graph (opset, folded constants) is checked on against the input's
 HARM_FEEDS = 1  # calibration samples each layer's restore gain (the search's ranking) is measured on
-JUDGE_Z = 1.0  # standard errors of the pooled cosine a candidate's figure is lowered by before it meets the target
-
 Feed = dict[str, np.ndarray]
-
-
-@dataclass(frozen=True)
-class Judged:
-    """A graph's figure on the search's samples: the pooled cosine, its standard error, the bound that meets the target
-    (cosine less JUDGE_Z standard errors) and the worst single held-out feed (None where not measured)."""
-    cosine: float
-    se: float
-    bound: float
-    worst: float | None = None
-
-    @property
-    def less_se(self) -> str:
-        return f" (less {JUDGE_Z:g} standard error: {self.bound:.6f})" if self.se else ""
-
-    @classmethod
-    def of(cls, outs: list[dict], refs: list[dict], feeds: list[Feed], metric=None, z: float = JUDGE_Z,
-           held: int | None = None) -> "Judged":
-        """The figure of ``outs`` (one output dict per feed) against ``refs``, as both searches judge: with ``metric``
-        (tasks/accuracy.SearchJudge, not cosine) its worst feed as all three; else the pooled cosine less ``z``
-        standard errors (``tasks.accuracy.metrics.pooled_estimate``, validate's statistic). ``worst``: the lowest cosine of the
-        first ``held`` feeds (the held-out ones; default all)."""
-        held = len(outs) if held is None else held
-        worst = worst_feed_cosine(outs[:held], refs[:held])
-        if metric is not None and metric.name != "cosine":
-            w = metric.worst(outs, refs, feeds)
-            return cls(w, 0.0, w, worst=worst)
-        return cls(*pooled_estimate([pooled_sums(r, o) for o, r in zip(outs, refs)], z), worst=worst)
 
 
 def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,

@@ -12,7 +12,6 @@
 """
 from __future__ import annotations
 
-import contextlib
 import threading
 from typing import Callable
 
@@ -22,6 +21,7 @@ from onnx import TensorProto, helper
 
 from tasks.accuracy.metrics import cosine, pooled_cosine_of, pooled_estimate, pooled_sums
 from tasks.onnxrt.ort import ordered_runs, ort_run, ort_session, run_workers
+from tasks.search.judging import meets_target, output_norms
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 STAGE = "calibrate"
@@ -203,73 +203,6 @@ def _switched_by_if(m: onnx.ModelProto, flags: set[str]) -> onnx.ModelProto:
     del g.node[:]
     g.node.extend(nodes)
     return m
-
-
-def meets_target(run: Callable[[dict], dict], feeds: list[dict], refs: list[dict], target: float, miss: dict[int, float],
-                 norms: dict[str, float], z: float = 1.0, judge=None,
-                 sums_of: dict[int, dict] | None = None, workers: int = 1) -> tuple[bool, tuple[float, float, float] | None]:
-    """Whether a candidate (``run``: feed -> outputs) meets ``target`` on ``feeds``: the pooled cosine less ``z``
-    standard errors (``tasks.accuracy.metrics.pooled_estimate``), or with ``judge`` (another metric's value per feed, higher is
-    better) every feed's value. The feeds that erred most before (``miss``, per feed, updated) run first, and the
-    candidate is refused as soon as the feeds run so far prove it cannot reach ``target`` even pooled alone (their
-    error orthogonal to the reference already exceeds what the whole set allows, ``norms``: each output's squared norm
-    over the whole set; another metric: the first feed below). Returns (meets, the pooled estimate when every feed
-    ran, else None; ``sums_of``, if given, gets each feed's ``pooled_sums`` by its index, and the feeds it holds already
-    are not run again but counted first). ``workers``: feeds run that many at a time (``run`` must be thread-safe;
-    tasks/ort.ordered_runs), judged in the same order, with the same verdict and figure. Shared by the int8 search
-    (``Switchable``) and fp16's (tasks/fp16/search.py)."""
-    known = dict(sums_of) if sums_of else {}
-    order = sorted(range(len(feeds)), key=lambda i: (i not in known, -miss.get(i, 0.0)))
-
-    def kept(i: int, out: dict) -> None:  # run ahead of a refusal: counted when the same candidate is judged again
-        if sums_of is not None and judge is None:
-            sums_of[i] = pooled_sums(refs[i], out)
-
-    with contextlib.closing(ordered_runs(lambda i: run(feeds[i]), [i for i in order if i not in known], workers,
-                                         kept)) as outs:
-        return _meets(outs, feeds, refs, target, miss, norms, z, judge, sums_of, known, order)
-
-
-def _meets(outs, feeds, refs, target, miss, norms, z, judge, sums_of, known, order):
-    """meets_target's judgement of the feeds in ``order``, the outputs of those not ``known`` from ``outs``."""
-    if judge is not None:
-        for i in order:
-            v = judge(next(outs), refs[i], feeds[i])
-            miss[i] = max(miss.get(i, 0.0), target - v)
-            if v < target:
-                return False, None
-        return True, None
-    sums: list[dict] = []
-    part = {k: np.zeros(3) for k in norms}
-    # of sin^2 of the pooled angle: the bound is the cosine less z standard errors, and the standard error is never
-    # below (1 - cosine) / sqrt(feeds) (tasks.accuracy.metrics.pooled_estimate), so a pooled cosine below
-    # (target + f) / (1 + f), f = z / sqrt(feeds), cannot meet the target: refused that much sooner
-    f = z / np.sqrt(len(feeds)) if feeds else 0.0
-    reach = (target + f) / (1.0 + f)
-    allowed = 1.0 - reach * reach
-    for i in order:
-        s = known[i] if i in known else pooled_sums(refs[i], next(outs))
-        sums.append(s)
-        if sums_of is not None:
-            sums_of[i] = s
-        for k, v in s.items():
-            part[k] += v
-        worst = 0.0
-        for k, (dot, na2, nb2) in part.items():
-            # min over a scale c of |a - c b|^2 on the feeds so far: a lower bound of the whole set's
-            err = na2 - dot * dot / nb2 if nb2 > 0 else na2
-            worst = max(worst, err / norms[k] if norms[k] > 0 else 0.0)
-        mine = {k: (v[1] - v[0] * v[0] / v[2] if v[2] > 0 else v[1]) / (norms[k] or 1.0) for k, v in s.items()}
-        miss[i] = max(miss.get(i, 0.0), max(mine.values(), default=0.0))
-        if worst > allowed:
-            return False, None
-    last = pooled_estimate(sums, z)
-    return last[2] >= target, last
-
-
-def output_norms(refs: list[dict]) -> dict[str, float]:
-    """Each output's squared norm over a set of references (what ``meets_target`` measures errors against)."""
-    return {k: sum(float(np.vdot(r[k], r[k])) for r in refs) for k in (refs[0] if refs else {})}
 
 
 def _fp16_emulated(m: onnx.ModelProto, q) -> onnx.ModelProto:

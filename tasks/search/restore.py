@@ -16,28 +16,6 @@ from __future__ import annotations
 from typing import Callable
 
 
-def search_target(budget: float, margin: float, samples: int | None = None) -> float:
-    """The cosine the search aims at: ``margin`` of the allowed error (1 - budget) above the budget, so the budget still
-    holds when validate checks other samples and shapes (0.25 with budget 0.99 -> 0.9925). Judged on fewer than
-    MARGIN_SAMPLES held-out samples the margin grows as 1/sqrt(samples) (the standard error of their mean): 2 samples
-    double it (0.995)."""
-    if samples:
-        margin = margin * max(1.0, (MARGIN_SAMPLES / samples) ** 0.5)
-    return min(1.0, budget + (1.0 - budget) * min(margin, 1.0))
-
-
-MARGIN_SAMPLES = 8  # held-out samples at which calibration.budget_margin applies as given
-
-
-JUDGE_CALIBRATION = 8  # calibration feeds judged beside the held-out ones
-
-
-def judged_samples(held_out: int, calibration: int) -> int:
-    """How many samples judge the search (tasks/quantization/calibrate.py): the held-out ones and up to ``JUDGE_CALIBRATION`` of the
-    calibration samples; the calibration samples alone when none are held out."""
-    return held_out + min(calibration, JUDGE_CALIBRATION) if held_out else calibration
-
-
 REFINE = 24  # restored layers screened after the binary search (those with at least refine_share of the FLOPs, largest)
 REFINE_JUDGEMENTS = 12  # whole judgements the screened refinement spends at most, most promising candidates first:
 # PP-OCRv6 det (zoo: 16 + 8 samples, up to 4 pages of 960 px, 4.5 s a judgement) spent 14 on its 17 candidates: calibrate

@@ -3,17 +3,15 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from tasks.common.errors import ConfigError, StageError, cause
 from tasks.graph.models import graph_io, resolve_source
+from tasks.graph.models import save_onnx
+from tasks.common.usermodules import add_import_paths, fresh_user_modules
 from tasks.common.util import StageResult, sha256_file, write_json
-
-MAX_PROTO = 1_800_000_000  # above this, weights go to a side file (protobuf's 2 GB limit)
-
 
 def source_fingerprint(model_cfg: Any, search: list[Path] | None = None) -> dict:
     """What the export depends on (for the content-addressed cache) without doing the export."""
@@ -26,7 +24,7 @@ def source_fingerprint(model_cfg: Any, search: list[Path] | None = None) -> dict
         path = resolve_source(model_cfg["source"], search=search)
         return {"source_sha256": sha256_file(path), "params_sha256": sha256_file(paddle_files(path))}
     module_name = str(model_cfg["factory"]).partition(":")[0]
-    _add_import_paths(search)
+    add_import_paths(search)
     try:
         spec = importlib.util.find_spec(module_name)
     except (ImportError, ValueError):
@@ -111,15 +109,6 @@ def constants_text(constants: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in constants.items())
 
 
-def save_onnx(model, path: Path) -> None:
-    import onnx
-
-    if model.ByteSize() > MAX_PROTO:
-        onnx.save(model, str(path), save_as_external_data=True, location=path.name + ".data")
-    else:
-        onnx.save(model, str(path))
-
-
 def sanitize(model) -> tuple[Any, list[str]]:
     """Make a graph TensorRT and the later stages can rely on.
 
@@ -173,32 +162,6 @@ def infer_shapes(model, notes: list[str]):
         return model
 
 
-def _add_import_paths(search: list[Path] | None) -> None:
-    """A factory module may sit in the working directory or in the user's config directory."""
-    for d in [Path.cwd(), *(search or [])]:
-        if str(d) not in sys.path:
-            sys.path.insert(0, str(d))
-
-
-def fresh_user_modules(module_name: str, search: list[Path] | None) -> None:
-    """Forget the factory's module and every module loaded from the user's config dir, so that this export imports
-    them as they are now (a long-lived process, e.g. the scheduled rebuild, sees an edited module) and the stage's
-    recording sees the files it reads; the factory module's folder is recorded as read too."""
-    from tasks.common.deps import note
-
-    roots = [str(Path(d).resolve()) + "/" for d in (search or [])]
-    for name, mod in list(sys.modules.items()):
-        f = getattr(mod, "__file__", None) or ""
-        if name == module_name or name.startswith(module_name + ".") or (roots and f.startswith(tuple(roots))):
-            del sys.modules[name]
-    try:
-        spec = importlib.util.find_spec(module_name) if module_name else None
-    except (ImportError, ValueError):  # the import itself reports it, as a ConfigError
-        spec = None
-    if spec and spec.origin and Path(spec.origin).is_file():
-        note(spec.origin)
-
-
 def onnx_from_torch(model_cfg: Any, profiles: list[dict], out_path: Path, search: list[Path] | None = None) -> str:
     """torch.nn.Module from a zero-argument factory -> ONNX, dims that vary in the profiles exported as dynamic axes."""
     try:
@@ -210,7 +173,7 @@ def onnx_from_torch(model_cfg: Any, profiles: list[dict], out_path: Path, search
     mod_name, _, fn_name = factory.partition(":")
     if not mod_name or not fn_name:
         raise ConfigError(f"model.factory={factory!r} is not 'module.path:callable'", fix="e.g. model.factory=mypkg.models:make_net")
-    _add_import_paths(search)
+    add_import_paths(search)
     fresh_user_modules(mod_name, search)
     try:
         fn = getattr(importlib.import_module(mod_name), fn_name)

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from tasks.evaluate.benchmark import latency_stats
+from tasks.common.timing import latency_stats
 from tasks.common.errors import StageError
 from tasks.data.inputs import batch_size
 

@@ -1,6 +1,7 @@
 import numpy as np
 
-from tasks.evaluate.benchmark import benchmark_model, latency_stats
+from tasks.evaluate.benchmark import benchmark_model
+from tasks.common.timing import latency_stats
 
 
 def test_latency_stats():

@@ -801,7 +801,7 @@ def _output_read_inside_model():
 def test_every_node_takes_one_float_type_and_tensorrt_builds_it(keep):
     """Kept nodes take fp32 on every float input, converted ones fp16 (weights too), whatever the converter left; the
     type check finds nothing, ONNX Runtime runs it, TensorRT-RTX builds it, and it computes what fp32 does."""
-    from tasks.fp16.convert import mixed_input_types, value_types
+    from tasks.graph.types import mixed_input_types, value_types
 
     m = _output_read_inside_model()
     m16, stats = fp16_from_onnx(m, keep_fp32=keep)
@@ -842,7 +842,7 @@ def test_a_prequantized_encoders_divisions_take_one_type_at_fp16(tmp_path):
     types. But they are of types Half and Float"). Converted now, every Div reads one type, and TensorRT builds it."""
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
-    from tasks.fp16.convert import mixed_input_types
+    from tasks.graph.types import mixed_input_types
 
     rng = np.random.default_rng(0)
     c, t = 8, 16

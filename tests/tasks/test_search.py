@@ -1,7 +1,8 @@
 """The accuracy-budget search as a pure function of whole-model judgements and per-layer harm (tasks/search/restore.py)."""
 import pytest
 
-from tasks.search.restore import restore_search, search_target
+from tasks.search.restore import restore_search
+from tasks.accuracy.budget import search_target
 
 
 def additive(losses: dict[str, float], budget: float = 0.01):

@@ -76,7 +76,7 @@ def test_a_judgement_refused_early_is_one_the_whole_set_refuses(workers):
     alone, against the standard error's floor): its verdict is always the full estimate's, and refusing takes fewer
     runs than the feeds. Feeds run two at a time give the same verdicts and figures."""
     from tasks.accuracy.metrics import pooled_estimate, pooled_sums
-    from tasks.quantization.sensitivity import meets_target, output_norms
+    from tasks.search.judging import meets_target, output_norms
 
     rng = np.random.default_rng(0)
     refs = [{"y": rng.standard_normal(64) * (1 + k % 3)} for k in range(12)]
