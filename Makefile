@@ -79,7 +79,7 @@ browser:
 	    chromium chromium-driver fonts-dejavu-core; fi
 
 # QEMU's user-mode emulator from Debian's packages: the test that int8 figures are the same on an AVX2-only and an
-# SSE4-only CPU runs the scoring under it (tests.tasks.test_exact.py), whatever CPU this host has.
+# SSE4-only CPU runs the scoring under it (tests/tasks/onnxrt/test_exact.py), whatever CPU this host has.
 qemu:
 	@if command -v qemu-x86_64 >/dev/null; then echo "qemu: $$(command -v qemu-x86_64)"; else \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \

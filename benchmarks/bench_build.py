@@ -32,8 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tasks.graph.models import resolve_source  # noqa: E402  (light: no TensorRT, no ONNX Runtime)
-from tasks.common.native import quiet_native  # noqa: E402
+from tasks.graph import resolve_source  # noqa: E402  (light: no TensorRT, no ONNX Runtime)
+from tasks.common import quiet_native  # noqa: E402
 
 SOURCE = "pkg://rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx"
 MODEL, TARGET = "ppocr_det", "sm_86"

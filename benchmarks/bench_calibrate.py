@@ -35,9 +35,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tasks.quantization import calibrate as calibrate_mod  # noqa: E402
-from tasks.quantization.calibrate import qdq_from_onnx  # noqa: E402
-from tasks.sources.export import onnx_from_model  # noqa: E402
-from tasks.data.samples import preprocess, render_text_image  # noqa: E402
+from tasks.quantization import qdq_from_onnx  # noqa: E402
+from tasks.sources import onnx_from_model  # noqa: E402
+from tasks.data import preprocess, render_text_image  # noqa: E402
 
 MODELOPT_INSTALL = ".venv/bin/pip install --no-deps -r benchmarks/modelopt-requirements.txt"
 # (ours, ModelOpt's name for it or None, ModelOpt's name of the method it is compared with)

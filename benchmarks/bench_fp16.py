@@ -47,9 +47,9 @@ def run(model_bytes: bytes, feeds: list[dict]) -> list[list[np.ndarray]]:
 
 
 def trt_build(path: Path, profiles: list[dict]) -> str:
-    from tasks.trt.backend import Backend
-    from tasks.common.errors import TrtforgeError
-    from tasks.common.native import quiet_native
+    from tasks.trt import Backend
+    from tasks.common import TrtforgeError
+    from tasks.common import quiet_native
 
     try:
         with quiet_native():
@@ -83,7 +83,7 @@ def measure(name: str, convert, fp32_path: Path, feeds: list[dict], ref: list, p
 def ours(path: Path):
     import onnx
 
-    from tasks.fp16.convert import fp16_from_onnx
+    from tasks.fp16 import fp16_from_onnx
 
     return fp16_from_onnx(onnx.load(str(path)))[0]
 
@@ -104,10 +104,10 @@ def main() -> int:
     logging.disable(logging.WARNING)
     from omegaconf import OmegaConf
 
-    from tasks.sources.export import onnx_from_model
-    from tasks.data.inputs import generated_feeds
-    from tasks.graph.edit import load_onnx
-    from tasks.graph.models import graph_io
+    from tasks.sources import onnx_from_model
+    from tasks.data import generated_feeds
+    from tasks.graph import load_onnx
+    from tasks.graph import graph_io
 
     names = args.models.split(",") if args.models else [n for n in zoo.zoo_models()
                                                         if zoo.read_model(n).get("format", "onnx") == "onnx"]

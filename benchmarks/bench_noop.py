@@ -82,7 +82,7 @@ def main() -> int:
         noop = statistics.median(noops)
         s = json.loads(next((tmp / "out").glob(f"*/{a.target}/{a.precision}/summary.json")).read_text())
         out_dir = next((tmp / "out").glob(f"*/{a.target}/{a.precision}"))
-        from tasks.graph.models import resolve_source
+        from tasks.graph import resolve_source
         from flows.config import compose_config
         src = resolve_source(compose_config(args).model.source)
         fl = floor([src] + [out_dir / e["file"] for e in s["engines"]])

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tasks.accuracy.metrics import cosine  # noqa: E402
+from tasks.accuracy import cosine  # noqa: E402
 
 FILES = {"det": ("ch_PP-OCRv4_det_infer.onnx", 320, 320), "rec": ("ch_PP-OCRv4_rec_infer.onnx", 48, 320),
          "cls": ("ch_ppocr_mobile_v2.0_cls_infer.onnx", 48, 192)}
@@ -37,7 +37,7 @@ MODES = ("exact", "int8", "float")
 
 
 def run(model, x: np.ndarray, kernels: bool = False) -> np.ndarray:
-    from tasks.onnxrt.ort import ort_session
+    from tasks.onnxrt import ort_session
 
     data = model if isinstance(model, Path) else model.SerializeToString()
     return ort_session(data, exact=not kernels).run(None, {"x": x})[0]
@@ -48,9 +48,9 @@ def measure(which: str, well: bool, n_calib: int, n_eval: int, workdir: Path) ->
     import onnx.version_converter
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, quantize_static
 
-    from tasks.sources.export import sanitize
-    from tasks.prequant.rewrite import trt_from_prequantized
-    from tasks.data.samples import preprocess, render_text_image
+    from tasks.sources import sanitize
+    from tasks.prequant import trt_from_prequantized
+    from tasks.data import preprocess, render_text_image
 
     name, h, w = FILES[which]
     src = Path(importlib.util.find_spec("rapidocr_onnxruntime").submodule_search_locations[0]) / "models" / name

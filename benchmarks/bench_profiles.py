@@ -45,11 +45,11 @@ def main() -> int:
     ap.add_argument("--target-cc", default="8.6")
     args = ap.parse_args()
 
-    from tasks.trt.backend import Backend
-    from tasks.graph.flops import onnx_flops
-    from tasks.graph.edit import load_onnx
-    from tasks.graph.models import graph_io, resolve_source
-    from tasks.data.traffic import activation_mib, check_given, propose, read_traffic, serving
+    from tasks.trt import Backend
+    from tasks.graph import onnx_flops
+    from tasks.graph import load_onnx
+    from tasks.graph import graph_io, resolve_source
+    from tasks.data import activation_mib, check_given, propose, read_traffic, serving
 
     path = resolve_source(SOURCE)
     model = load_onnx(path)

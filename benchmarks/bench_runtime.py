@@ -27,7 +27,7 @@ CCS = ("7.5", "8.0", "8.6", "8.9", "12.0", "12.1")
 
 def raw_timing(engine_bytes: bytes, backend, feed: dict[str, np.ndarray], iterations: int) -> dict:
     """The plain TensorRT + CUDA runtime calls, no checks beyond the return codes."""
-    from tasks.trt.runtime import Cuda
+    from tasks.trt import Cuda
 
     cuda, trt = Cuda("benchmark"), backend.trt
     cuda("cudaFree", 0)
@@ -65,7 +65,7 @@ def raw_timing(engine_bytes: bytes, backend, feed: dict[str, np.ndarray], iterat
 
 
 def main() -> int:
-    from tasks.trt.backend import Backend, gpu_for, no_gpu_reason
+    from tasks.trt import Backend, gpu_for, no_gpu_reason
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="ch_PP-OCRv4_det_infer.onnx")
@@ -76,9 +76,9 @@ def main() -> int:
     if cc is None:
         print(f"bench_runtime: {no_gpu_reason('/'.join(CCS))}; nothing to time here")
         return 0
-    from tasks.build.engines import engine_from_onnx, onnx_at_precision
-    from tasks.graph.models import resolve_source
-    from tasks.trt.runtime import EngineRunner
+    from tasks.build import engine_from_onnx, onnx_at_precision
+    from tasks.graph import resolve_source
+    from tasks.trt import EngineRunner
 
     backend = Backend("tensorrt_rtx")
     shape = [int(x) for x in a.shape.split(",")]

@@ -199,8 +199,8 @@ def load_source(name: str):
     """The model's ONNX as shipped (None for torch models or when its package is not installed)."""
     import onnx
 
-    from tasks.common.errors import TrtforgeError
-    from tasks.graph.models import resolve_source
+    from tasks.common import TrtforgeError
+    from tasks.graph import resolve_source
 
     cfg = read_model(name)
     if cfg.get("format", "onnx") != "onnx":
@@ -233,7 +233,7 @@ def quantizable(name: str) -> bool | None:
     """Whether the model has Conv/MatMul/Gemm (int8 applies); None when its source cannot be read here."""
     if read_model(name).get("format", "onnx") == "torch":
         return True  # the zoo's torch models are a transformer (MatMul) and a 3-D CNN (Conv)
-    from tasks.graph.edit import subgraphs
+    from tasks.graph import subgraphs
 
     model = load_source(name)
     if model is None:
@@ -322,7 +322,7 @@ def calibration_data(name: str, form: str, folder: Path, samples: int = CALIBRAT
     if cfg.get("format") == "torch":
         specs = {k: (v.get("dtype", "float32"), opt.get(k, v["shape"])) for k, v in cfg["inputs"].items()}
     else:
-        from tasks.graph.models import graph_io
+        from tasks.graph import graph_io
 
         model = load_source(name)
         if model is None:

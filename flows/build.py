@@ -46,9 +46,9 @@ from flows.config import compose_config, flat_params, preflight  # noqa: E402
 from flows.sweep import jobs, run_sweep  # noqa: E402
 from flows.local import tracker  # noqa: E402
 from flows.tracking import failure_text, run_matches, warm, warmed  # noqa: E402
-from tasks.common.errors import TrtforgeError, cause  # noqa: E402
-from tasks.report.report import write_report  # noqa: E402
-from tasks.common.util import write_json  # noqa: E402
+from tasks.common import TrtforgeError, cause  # noqa: E402
+from tasks.report import write_report  # noqa: E402
+from tasks.common import write_json  # noqa: E402
 
 
 @task(task_run_name="{name}", cache_policy=NONE, persist_result=False)
@@ -151,7 +151,7 @@ def publish(ctx: BuildContext) -> dict:
         if ctx.results["validate"].details.get("accuracy"):  # the metric, its settings, its value per output and sample
             summary["accuracy"] = ctx.results["validate"].details["accuracy"]
     if ctx.inputs.traffic is not None:  # the profiles from the traffic: coverage, outliers, the picture
-        from tasks.data.traffic import plot as traffic_plot
+        from tasks.data import plot as traffic_plot
         summary["traffic"] = ctx.inputs.traffic[1].as_dict()
         summary["metrics"]["traffic_coverage"] = ctx.inputs.traffic[1].coverage
         traffic_plot(*ctx.inputs.traffic, tmp / "traffic.png")
@@ -193,8 +193,8 @@ def publish(ctx: BuildContext) -> dict:
 
 def publish_engines(ctx: BuildContext, out: Path) -> list[dict]:
     """Copy (hard-link when possible) the deliverable engine(s), one per TensorRT segment, into the output folder."""
-    from tasks.build.engines import engines_of
-    from tasks.common.util import sha256_file
+    from tasks.build import engines_of
+    from tasks.common import sha256_file
 
     result = []
     for _, src, _ in engines_of(stages.deliverable(ctx)):
@@ -212,8 +212,8 @@ def versions(ctx: BuildContext) -> dict[str, str]:
     import onnx
     import onnxruntime
 
-    from tasks.trt.backend import host_gpus
-    from tasks.trt.runtime import cuda_versions
+    from tasks.trt import host_gpus
+    from tasks.trt import cuda_versions
 
     v = {"trtforge": TRTFORGE_VERSION, "code": CODE, "backend": ctx.backend.version, "onnx": onnx.__version__,
          "onnxruntime": onnxruntime.__version__, "python": sys.version.split()[0], **cuda_versions()}

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from flows.local.locks import locked, named_lock, pid_alive  # noqa: F401  (named_lock: used by flows)
-from tasks.common.deps import changed, merge_deps, recording
-from tasks.common.util import StageResult, sha256_file, sha256_json, write_json
+from tasks.common import changed, merge_deps, recording
+from tasks.common import StageResult, sha256_file, sha256_json, write_json
 
 CACHE_FORMAT = 2
 
@@ -148,11 +148,11 @@ def build_key(cfg: Any, config_dir: str | None = None) -> str:
 
     from flows.config import config_dir_search
     from flows.context import CODE, TRTFORGE_VERSION
-    from tasks.trt.backend import host_gpus, installed_version
-    from tasks.common.deps import all_stage_libraries
-    from tasks.sources.export import source_fingerprint
-    from tasks.data.inputs import data_hash
-    from tasks.data.samples import GENERATOR_VERSION
+    from tasks.trt import host_gpus, installed_version
+    from tasks.common import all_stage_libraries
+    from tasks.sources import source_fingerprint
+    from tasks.data import data_hash
+    from tasks.data import GENERATOR_VERSION
 
     c = OmegaConf.to_container(cfg, resolve=True)
     parts: dict[str, Any] = {"format": CACHE_FORMAT, "trtforge": TRTFORGE_VERSION, "code": CODE,
@@ -169,16 +169,16 @@ def build_key(cfg: Any, config_dir: str | None = None) -> str:
     labels = OmegaConf.select(cfg, "validation.labels")
     if labels and Path(labels).is_file():  # (a missing file is preflight's error to report)
         parts["validation.labels"] = sha256_file(labels)
-    from tasks.accuracy.metric import fingerprint
+    from tasks.accuracy import fingerprint
     metric = fingerprint(c.get("accuracy") or {}, config_dir_search(config_dir))  # a user metric's module file
     if metric:
         parts["metric"] = metric
     if (c["model"].get("traffic") or {}).get("source"):
-        from tasks.data.traffic import traffic_hash
+        from tasks.data import traffic_hash
         parts["traffic"] = traffic_hash(c["model"]["traffic"]["source"], config_dir_search(config_dir))
     images = (c["model"].get("images") or {}).get("source")
     if images and not str(images).startswith("synthetic:"):
-        from tasks.data.samples import list_images
+        from tasks.data import list_images
         parts["images"] = [(f.name, sha256_file(f)) for f in list_images(images, "model.images.source")]
     return sha256_json(parts)
 

@@ -108,7 +108,7 @@ def print_summary(summary: dict, seconds: float) -> None:
         cached = f"; {origin_text(v['cached_from'])}" if v.get("cached_from") else ""
         c.print(f"  accuracy {summary['verdict']}{cached}", markup=False)
     if "flops_share" in m:
-        from tasks.trt.network import describe
+        from tasks.trt import describe
 
         c.print(f"  flops    {describe(m)} (estimated on the TensorRT network)", markup=False)
     c.print(f"  summary  {summary['out_dir']}/summary.json")

@@ -15,7 +15,7 @@ from flows.env import env_defaults
 env_defaults()
 
 from flows.tracking import _quiet, tracking_uri, use_experiment  # noqa: E402
-from tasks.report.report import compare_html, compare_plot, compare_text  # noqa: E402
+from tasks.report import compare_html, compare_plot, compare_text  # noqa: E402
 
 USAGE = "usage: python -m flows.compare [model=NAME] [experiment=NAME]"
 

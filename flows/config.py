@@ -11,7 +11,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from tasks import schema
-from tasks.common.errors import ConfigError
+from tasks.common import ConfigError
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ("model", "target", "precision")
@@ -133,12 +133,12 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> "BuildInputs":
     """Check the whole config before any heavy step, and split the data: what the stages need (model io, profiles,
     shape rules, backend, the calibration / search / validation sets)."""
     from flows.context import BuildInputs  # (imported here: the up-to-date check before preflight stays light)
-    from tasks.data.datasets import MAX_SEARCH, MAX_VALIDATION, as_user_data, split_data
-    from tasks.data.inputs import load_data
+    from tasks.data import MAX_SEARCH, MAX_VALIDATION, as_user_data, split_data
+    from tasks.data import load_data
 
-    from tasks.trt.backend import backend_for_target
-    from tasks.graph.models import check_safe_name
-    from tasks.data.profiles import check_profiles, shape_rules
+    from tasks.trt import backend_for_target
+    from tasks.graph import check_safe_name
+    from tasks.data import check_profiles, shape_rules
 
     m, t, p = cfg.model, cfg.target, cfg.precision
     check_safe_name("model.name", m.name)
@@ -177,7 +177,7 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> "BuildInputs":
         raise ConfigError(f"calibration.samples={cal.samples} must be at least 1", fix="e.g. calibration.samples=32")
     if not -1.0 <= cfg.accuracy.min_cosine <= 1.0:
         raise ConfigError(f"accuracy.min_cosine={cfg.accuracy.min_cosine} is outside [-1, 1]", fix="e.g. accuracy.min_cosine=0.99")
-    from tasks.accuracy.metric import from_config as accuracy_metric
+    from tasks.accuracy import from_config as accuracy_metric
     accuracy_metric(cfg.accuracy, config_dir_search(config_dir))  # unknown name, unimportable function, bad tolerance
     if not cfg.build.fp16_data_max > 0:
         raise ConfigError(f"build.fp16_data_max={cfg.build.fp16_data_max} must be positive",
@@ -190,7 +190,7 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> "BuildInputs":
     if m.images is not None:
         src = m.images.source
         if not src.startswith("synthetic:"):
-            from tasks.data.samples import list_images
+            from tasks.data import list_images
             list_images(src, "model.images.source")
         elif src != "synthetic:text":
             raise ConfigError(f"model.images.source={src!r} is unknown", fix="use synthetic:text or a folder of images")
@@ -219,8 +219,8 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> "BuildInputs":
                           fix=f"use one of {[i.name for i in inputs]}")
     profiles, traffic = OmegaConf.to_container(m.profiles), None
     if m.traffic.source:  # the profiles from the traffic (given profiles win and are checked against it)
-        from tasks.data.profiles import check_multiples, graph_ties, named_ties
-        from tasks.data.traffic import TrafficDraws, from_config
+        from tasks.data import check_multiples, graph_ties, named_ties
+        from tasks.data import TrafficDraws, from_config
         given = check_multiples(OmegaConf.to_container(m.shape_multiple), inputs)
         ties = named_ties(inputs) + (graph_ties(model, inputs) if model is not None else [])
         traffic = from_config(OmegaConf.to_container(m.traffic), inputs, model,
@@ -249,8 +249,8 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> "BuildInputs":
         if cfg.accuracy.metric in ("cosine", "allclose", "top1"):
             raise ConfigError(f"validation.labels is read only by a module:function metric (accuracy.metric="
                               f"{cfg.accuracy.metric})", fix="set accuracy.metric=module:function, or drop validation.labels")
-        from tasks.accuracy.metric import load_labels
-        from tasks.data.inputs import batch_size
+        from tasks.accuracy import load_labels
+        from tasks.data import batch_size
         load_labels(cfg.validation.labels, sum(batch_size(f) for f in user["validation.data"].feeds))
     return BuildInputs(backend=backend, inputs=inputs, outputs=outputs, profiles=profiles, rules=rules, search=search,
                        prequantized=prequant, data=data, traffic=traffic)
@@ -264,19 +264,19 @@ def paddle_cache(cfg) -> Path:
 def model_io(cfg: DictConfig, search: list[Path]) -> tuple[Any, list, list, dict | None]:
     """The model as preflight sees it: its ONNX graph (onnx, paddle; None for torch, exported later), inputs, outputs,
     and the quantization it arrived with."""
-    from tasks.graph.edit import load_onnx
-    from tasks.graph.models import graph_io, resolve_source
+    from tasks.graph import load_onnx
+    from tasks.graph import graph_io, resolve_source
 
     m = cfg.model
     if m.format in ("onnx", "paddle"):
         src = resolve_source(m.source, search=search)
         if m.format == "paddle":  # converted once here (content-addressed); export reuses the conversion
-            from tasks.sources.paddle import converted_onnx
+            from tasks.sources import converted_onnx
             src = converted_onnx(src, paddle_cache(cfg))[0]
         model = load_onnx(src)
         inputs, outputs = graph_io(model)
-        from tasks.prequant.rewrite import quantization_of
-        from tasks.prequant.weight_only import weight_only_model
+        from tasks.prequant import quantization_of
+        from tasks.prequant import weight_only_model
         q = quantization_of(model)
         # not recalibrated: needs no calibration data (a weight-only quantized model calibrates its activations)
         return model, inputs, outputs, (q if any(q.values()) and not weight_only_model(model) else None)
@@ -284,7 +284,7 @@ def model_io(cfg: DictConfig, search: list[Path]) -> tuple[Any, list, list, dict
         raise ConfigError("model.factory is not set for format=torch", fix="set model.factory=module.path:callable")
     if not m.inputs:
         raise ConfigError("model.inputs is empty for format=torch", fix="map each forward() argument to {shape: [...], dtype: float32}")
-    from tasks.graph.models import TensorInfo
+    from tasks.graph import TensorInfo
     # the export makes dims that vary across a profile (or the traffic) dynamic: the profile check must see them so
     varying = {(n, i) for prof in m.profiles for n, r in prof.items()
                for i, (lo, hi) in enumerate(zip(r.min, r.max)) if lo != hi}
@@ -296,7 +296,7 @@ def model_io(cfg: DictConfig, search: list[Path]) -> tuple[Any, list, list, dict
 def bind_constants(cfg: DictConfig, inputs: list) -> list:
     """model.constants: each names an input and fits its dtype and shape; no profile covers a bound input. Returns
     the inputs that remain (what profiles, data, validation and benchmarks see)."""
-    from tasks.graph.edit import array_from_constant
+    from tasks.graph import array_from_constant
 
     constants = OmegaConf.to_container(cfg.model.constants)
     by_name = {i.name: i for i in inputs}

@@ -12,10 +12,10 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from tasks.data.datasets import DataSplit
-from tasks.common.deps import STAGE_LIBRARIES, library_versions, merge_deps
-from tasks.common.errors import TrtforgeError
-from tasks.common.util import StageResult
+from tasks.data import DataSplit
+from tasks.common import STAGE_LIBRARIES, library_versions, merge_deps
+from tasks.common import TrtforgeError
+from tasks.common import StageResult
 
 TRTFORGE_VERSION = "0.1.0"
 

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 from flows.config import compose_config, config_dir_search, model_io
-from tasks.common.errors import ConfigError, TrtforgeError
-from tasks.common.util import write_json
+from tasks.common import ConfigError, TrtforgeError
+from tasks.common import write_json
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 
@@ -33,8 +33,8 @@ def propose_for(overrides: list[str], config_dir: str | None = None):
     """(cfg, Traffic, Proposal) for the overrides: ``traffic.*`` are the model's ``model.traffic.*``."""
     from omegaconf import OmegaConf
 
-    from tasks.data.profiles import check_multiples, graph_ties, named_ties
-    from tasks.data.traffic import from_config
+    from tasks.data import check_multiples, graph_ties, named_ties
+    from tasks.data import from_config
 
     cfg = compose_config([f"model.{o}" if o.startswith("traffic.") else o for o in overrides], config_dir)
     if not cfg.model.traffic.source:
@@ -51,7 +51,7 @@ def propose_for(overrides: list[str], config_dir: str | None = None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tasks.data.traffic import describe, write_profiles, yaml_fragment
+    from tasks.data import describe, write_profiles, yaml_fragment
 
     ap = argparse.ArgumentParser(prog="python -m flows.profiles", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -26,7 +26,7 @@ def settings(**overrides: Any) -> dict:
     s = OmegaConf.to_container(OmegaConf.load(SETTINGS), resolve=True)
     unknown = set(overrides) - set(s) - {"rebuild_out"}
     if unknown:
-        from tasks.common.errors import ConfigError
+        from tasks.common import ConfigError
         raise ConfigError(f"unknown rebuild option {sorted(unknown)[0]!r}",
                           fix=f"use {', '.join(sorted(s) + ['rebuild_out'])} (see {SETTINGS})")
     return {**s, "rebuild_out": None, **overrides}
@@ -68,7 +68,7 @@ def rebuild_pass(rebuild_out: str | None = None, tolerance: float | None = None,
     from flows.build import run_build
     from flows.cache import build_key
     from flows.config import compose_config
-    from tasks.common.errors import TrtforgeError
+    from tasks.common import TrtforgeError
 
     s = settings()
     tolerance = s["tolerance"] if tolerance is None else tolerance
@@ -105,7 +105,7 @@ def rebuild_pass(rebuild_out: str | None = None, tolerance: float | None = None,
             report["rebuilt"].append({**new, **({"version": reg["version"], "alias": reg["alias"]} if reg else {})})
             log(f"rebuilt  {name}" + (f": version {reg['version']} is now @{reg['alias']}" if reg else ""))
     if rebuild_out:
-        from tasks.common.util import write_json
+        from tasks.common import write_json
         write_json(rebuild_out, report)
     return report
 
@@ -116,7 +116,7 @@ def inputs_changed(run, cfg) -> str | None:
     import tempfile
 
     from flows.cache import result_dir
-    from tasks.common.deps import changed
+    from tasks.common import changed
 
     local = result_dir(cfg) / "summary.json"
     try:
@@ -147,7 +147,7 @@ def registry_of(run_id: str | None) -> dict | None:
 def main(argv: list[str] | None = None) -> int:
     import os
 
-    from tasks.common.errors import ConfigError, TrtforgeError
+    from tasks.common import ConfigError, TrtforgeError
 
     args = sys.argv[1:] if argv is None else argv
     try:

@@ -6,8 +6,8 @@ import contextlib
 from pathlib import Path
 
 from flows.context import BuildContext
-from tasks.build.engines import engines_of
-from tasks.common.util import StageResult
+from tasks.build import engines_of
+from tasks.common import StageResult
 
 
 def deliverable(ctx: BuildContext) -> StageResult:
@@ -20,11 +20,11 @@ def candidate_runner(ctx: BuildContext, runners: contextlib.ExitStack | None = N
                      cuda_graph: bool = False):
     """The model as it will run: per TensorRT segment the engine (with `runners`: on a GPU, closed with it) or its
     precision graph in ONNX Runtime, the native segments of a hybrid model in ONNX Runtime between them."""
-    from tasks.trt.backend import gpu_for
-    from tasks.onnxrt.emulate import precision_runner
-    from tasks.onnxrt.ort import ort_runner
-    from tasks.trt.runtime import EngineRunner, runtime_cache_file
-    from tasks.partition.segments import composed_runner
+    from tasks.trt import gpu_for
+    from tasks.onnxrt import precision_runner
+    from tasks.onnxrt import ort_runner
+    from tasks.trt import EngineRunner, runtime_cache_file
+    from tasks.partition import composed_runner
 
     by_segment = {i: (eng, onnx) for i, eng, onnx in engines_of(deliverable(ctx))}
     cache = runtime_cache_file(ctx.cfg.cache_dir, ctx.cfg.target.name, ctx.backend.version)

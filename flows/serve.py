@@ -31,7 +31,7 @@ def ensure_server(port: int = 4200, timeout: float = 120.0) -> tuple[str, subpro
     from flows.local import private
     from flows.local import server as local
     from flows.local.net import authenticated, listener_uid, reserve
-    from tasks.common.errors import UnavailableError
+    from tasks.common import UnavailableError
 
     if os.environ.get("PREFECT_API_URL"):
         url = os.environ["PREFECT_API_URL"]
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     args = dict(a.split("=", 1) for a in (sys.argv[1:] if argv is None else argv) if "=" in a)
     port = int(args.pop("port", 4200))
     opts = settings(**args)
-    from tasks.common.errors import TrtforgeError
+    from tasks.common import TrtforgeError
 
     try:
         url, proc = ensure_server(port)

@@ -12,11 +12,11 @@ from flows.config import paddle_cache
 from flows.context import BuildContext, Skip, sample_progress
 from flows.runners import candidate_runner, deliverable
 from tasks.trt import backend as trt_backend
-from tasks.build.engines import engines_of, same_graph
-from tasks.common.errors import SegmentBuildError, StageError, TrtforgeError
-from tasks.sources.export import constants_text
-from tasks.partition.partition import REDUCE_BUILD_SECONDS
-from tasks.common.util import StageResult, sha256_file
+from tasks.build import engines_of, same_graph
+from tasks.common import SegmentBuildError, StageError, TrtforgeError
+from tasks.sources import constants_text
+from tasks.partition import REDUCE_BUILD_SECONDS
+from tasks.common import StageResult, sha256_file
 
 STAGE_NAMES = ("export", "partition", "build", "calibrate", "validate", "benchmark")
 
@@ -34,7 +34,7 @@ def prequantized(ctx: BuildContext) -> dict | None:
 # --- the six stages ------------------------------------------------------------------------------------------
 
 def export(ctx: BuildContext) -> StageResult:
-    from tasks.sources.export import onnx_from_model, source_fingerprint
+    from tasks.sources import onnx_from_model, source_fingerprint
 
     m, profiles = ctx.c("model"), ctx.inputs.profiles
     parts = {"source": source_fingerprint(m, ctx.inputs.search), "format": m["format"], "factory": m["factory"],
@@ -50,7 +50,7 @@ def export(ctx: BuildContext) -> StageResult:
 
     r = ctx.cached("export", parts, work)
     if r.details.get("weight_only"):
-        from tasks.prequant.weight_only import weight_only_note
+        from tasks.prequant import weight_only_note
         ctx.stages.setdefault("export", {})["note"] = weight_only_note(r.details["weight_only"])
     if m["constants"]:
         ctx.warn("export", f"the engine is specialised for {constants_text(m['constants'])} (model.constants): those inputs "
@@ -62,8 +62,8 @@ def export(ctx: BuildContext) -> StageResult:
 
 
 def partition(ctx: BuildContext, partition_cfg: dict | None = None) -> StageResult:
-    from tasks.data.inputs import generated_feeds
-    from tasks.partition.partition import plan_from_onnx
+    from tasks.data import generated_feeds
+    from tasks.partition import plan_from_onnx
 
     onnx_r, i = ctx.results["export"], ctx.inputs
     partition_cfg = partition_cfg or ctx.c("partition")
@@ -83,7 +83,7 @@ def partition(ctx: BuildContext, partition_cfg: dict | None = None) -> StageResu
 
 
 def trt_segments(ctx: BuildContext) -> list[dict]:
-    from tasks.partition.segments import trt_segments as segments
+    from tasks.partition import trt_segments as segments
 
     plan = ctx.results["partition"]
     return segments(plan.details, plan.files, ctx.results["export"].files["onnx"], ctx.inputs.profiles)
@@ -119,9 +119,9 @@ def with_replans(ctx: BuildContext, attempt: Callable[[], StageResult],
     """``attempt()`` (engines built from the current plan); when it fails with ``on`` (TensorRT could not build a
     segment), the plan that runs what failed in ONNX Runtime (tasks.partition.partition.build_fallback, at most MAX_REPLANS times)
     and ``attempt()`` again on it; the re-plans said in the partition stage's note."""
-    from tasks.build.engines import build_error
-    from tasks.data.inputs import generated_feeds
-    from tasks.partition.partition import build_fallback
+    from tasks.build import build_error
+    from tasks.data import generated_feeds
+    from tasks.partition import build_fallback
 
     i, notes, cfg, t = ctx.inputs, [], ctx.c("partition"), ctx.cfg.target
     for n in range(MAX_REPLANS + 1):
@@ -167,13 +167,13 @@ def _bisect_progress(show: bool, replan: int):
 
 
 def _build_engines(ctx: BuildContext) -> StageResult:
-    from tasks.build.engines import add_metrics, as_baseline, onnx_at_precision
-    from tasks.fp16.search import searched_segments
-    from tasks.graph.edit import load_onnx
-    from tasks.fp16.convert import fp16_hazards_from_data
-    from tasks.prequant.rewrite import precision_for
-    from tasks.accuracy.budget import search_target
-    from tasks.partition.segments import all_segment_feeds
+    from tasks.build import add_metrics, as_baseline, onnx_at_precision
+    from tasks.fp16 import searched_segments
+    from tasks.graph import load_onnx
+    from tasks.fp16 import fp16_hazards_from_data
+    from tasks.prequant import precision_for
+    from tasks.accuracy import search_target
+    from tasks.partition import all_segment_feeds
 
     t, q = ctx.cfg.target, prequantized(ctx)  # a quantized model keeps it; its float part is what precision says
     p = ctx.cfg.precision
@@ -281,7 +281,7 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
     if not p.quantized:
         raise Skip(f"precision {p.name} needs no calibration")
     if prequantized(ctx):
-        from tasks.prequant.rewrite import describe
+        from tasks.prequant import describe
         raise Skip(f"the model is already quantized ({describe(prequantized(ctx))})")
     # only the engine build re-plans (an accuracy or calibration failure is not the plan's)
     return with_replans(ctx, lambda: _calibrate(ctx), on=SegmentBuildError)
@@ -289,9 +289,9 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
 
 def _calibrate(ctx: BuildContext) -> StageResult:
     """calibrate on the current plan (with_replans tries again on a new plan where TensorRT cannot build a segment)."""
-    from tasks.quantization.calibrate import judge_feeds_of, low_share_warning, qdq_for_segments
-    from tasks.accuracy.budget import judged_samples, search_target
-    from tasks.partition.segments import Rest, segment_feeds
+    from tasks.quantization import judge_feeds_of, low_share_warning, qdq_for_segments
+    from tasks.accuracy import judged_samples, search_target
+    from tasks.partition import Rest, segment_feeds
 
     p, c = ctx.cfg.precision, ctx.cfg.calibration
     cal, held = ctx.data.calibration, ctx.data.search
@@ -359,13 +359,13 @@ def _calibrate(ctx: BuildContext) -> StageResult:
 
 def accuracy_metric(ctx: BuildContext):
     """The metric of ``accuracy`` (tasks/accuracy/metric.py): a user function imported from the working or config dir."""
-    from tasks.accuracy.metric import from_config
+    from tasks.accuracy import from_config
 
     return from_config(ctx.cfg.accuracy, ctx.inputs.search)
 
 
 def metric_fingerprint(ctx: BuildContext) -> dict | None:
-    from tasks.accuracy.metric import fingerprint
+    from tasks.accuracy import fingerprint
 
     return fingerprint(ctx.cfg.accuracy, ctx.inputs.search)
 
@@ -376,9 +376,9 @@ def search_judge(ctx: BuildContext, segs: list[dict], samples: int | None, stage
     the one TensorRT segment computes the model's outputs from its inputs; else (fp16 of a model split into segments)
     the cosine of each segment's outputs, said once. ``samples``: how many judge it (the margin grows below 8; None:
     the margin as given)."""
-    from tasks.graph.models import graph_io
-    from tasks.graph.edit import load_onnx
-    from tasks.accuracy.budget import search_target
+    from tasks.graph import graph_io
+    from tasks.graph import load_onnx
+    from tasks.accuracy import search_target
 
     metric = accuracy_metric(ctx)
     margin = search_target(0.0, ctx.cfg.calibration.budget_margin, samples)  # the share of the error held in reserve
@@ -392,14 +392,14 @@ def search_judge(ctx: BuildContext, segs: list[dict], samples: int | None, stage
     ctx.warn(stage, f"the model runs in {len(segs)} TensorRT segment(s) with parts in ONNX Runtime: the accuracy "
                           f"search judges each segment's own outputs by cosine (accuracy.min_cosine); "
                           f"accuracy.metric={metric.name} gates validate")
-    from tasks.accuracy.metric import Metric
+    from tasks.accuracy import Metric
     return Metric(min_cosine=ctx.cfg.accuracy.min_cosine).judge(margin)
 
 
 def logit_runners(ctx: BuildContext, reference: Path, candidates: list, identical: bool) -> dict | None:
     """For outputs from a final Softmax/Sigmoid/LogSoftmax: runners of the reference and candidate graphs that also
     return the logits (the op's input), or the reason the candidate's cannot be read."""
-    from tasks.accuracy.metric import final_activations, with_outputs
+    from tasks.accuracy import final_activations, with_outputs
 
     finals = final_activations(reference)
     if not finals or identical:
@@ -407,9 +407,9 @@ def logit_runners(ctx: BuildContext, reference: Path, candidates: list, identica
     names = [f["logits"] for f in finals.values()]
     if len(candidates) != 1 or ctx.results["partition"].details.get("hybrid"):
         return {"finals": finals, "reason": "the model runs in several segments: its logits are not one graph's values"}
-    from tasks.onnxrt.emulate import precision_runner
-    from tasks.onnxrt.ort import ort_runner
-    from tasks.graph.edit import load_onnx
+    from tasks.onnxrt import precision_runner
+    from tasks.onnxrt import ort_runner
+    from tasks.graph import load_onnx
 
     cand = load_onnx(candidates[0][2])
     values = {o for n in cand.graph.node for o in n.output}
@@ -430,9 +430,9 @@ def weight_only(ctx: BuildContext) -> int:
 def _float_weight_segments(segs: list[dict], d: Path) -> dict[int, tuple[Path, dict]]:
     """Each segment with weight-only DequantizeLinear nodes, its weights folded to float (for calibration): index ->
     (ONNX file, the model's codes and scales by weight)."""
-    from tasks.graph.models import save_onnx
-    from tasks.graph.edit import load_onnx
-    from tasks.prequant.weight_only import float_weights
+    from tasks.graph import save_onnx
+    from tasks.graph import load_onnx
+    from tasks.prequant import float_weights
 
     out = {}
     for s in segs:
@@ -447,9 +447,9 @@ def _float_weight_segments(segs: list[dict], d: Path) -> dict[int, tuple[Path, d
 
 def _keep_weight_scales(r: StageResult, shipped: dict[int, tuple[Path, dict]]) -> dict:
     """The model's own int8 weights back into each quantized segment; {"restored": n, "weights": n}."""
-    from tasks.graph.models import save_onnx
-    from tasks.graph.edit import load_onnx
-    from tasks.prequant.weight_only import keep_weight_scales
+    from tasks.graph import save_onnx
+    from tasks.graph import load_onnx
+    from tasks.prequant import keep_weight_scales
 
     restored = 0
     for i, (path, kept) in shipped.items():
@@ -464,7 +464,7 @@ def _keep_weight_scales(r: StageResult, shipped: dict[int, tuple[Path, dict]]) -
 
 def engines_for(ctx: BuildContext, segs: list[dict], graphs: dict[int, Path], label: str, precision: str, d: Path,
                 stage: str) -> StageResult:
-    from tasks.build.engines import engines_for_segments
+    from tasks.build import engines_for_segments
 
     t = ctx.cfg.target
     return engines_for_segments(segs, graphs, f"{ctx.cfg.model.name}.{t.name}.{label}", t.compute_capability,
@@ -473,11 +473,11 @@ def engines_for(ctx: BuildContext, segs: list[dict], graphs: dict[int, Path], la
 
 
 def validate(ctx: BuildContext) -> StageResult:
-    from tasks.data.datasets import describe_thin
-    from tasks.quantization.calibrate import search_fix
-    from tasks.onnxrt.emulate import emulation_label
-    from tasks.prequant.rewrite import accuracy_fix
-    from tasks.evaluate.validate import gate, validate_onnx
+    from tasks.data import describe_thin
+    from tasks.quantization import search_fix
+    from tasks.onnxrt import emulation_label
+    from tasks.prequant import accuracy_fix
+    from tasks.evaluate import gate, validate_onnx
 
     if not ctx.cfg.stages.validate:
         raise Skip("disabled (stages.validate=false)")
@@ -520,8 +520,8 @@ def validate(ctx: BuildContext) -> StageResult:
         evidence = [w for w in (describe_thin(val),) if w]
         labels = None
         if ctx.cfg.validation.labels:
-            from tasks.accuracy.metric import labels_per_feed, load_labels
-            from tasks.data.inputs import batch_size
+            from tasks.accuracy import labels_per_feed, load_labels
+            from tasks.data import batch_size
             labels = labels_per_feed(load_labels(ctx.cfg.validation.labels, sum(batch_size(f) for f in val.feeds)),
                                      val.feeds)
         with contextlib.ExitStack() as runners:
@@ -539,7 +539,7 @@ def validate(ctx: BuildContext) -> StageResult:
                     raise
                 r = e.result
             if shipped and dequantized:  # how far the float model the engine computes is from the model as shipped
-                from tasks.prequant.rewrite import dequantized_vs_shipped
+                from tasks.prequant import dequantized_vs_shipped
                 r.metrics["dequantized_vs_shipped_cosine_min"] = dequantized_vs_shipped(ref.files["onnx"], reference,
                                                                                         val.feeds)
             return r
@@ -551,7 +551,7 @@ def validate(ctx: BuildContext) -> StageResult:
         ctx.warn("validate", w)
     apart = r.metrics.get("dequantized_vs_shipped_cosine_min")
     if apart is not None:
-        from tasks.prequant.rewrite import dequantized_fix
+        from tasks.prequant import dequantized_fix
         fix = dequantized_fix(apart, val.kind == "random", ctx.cfg.accuracy.min_cosine)
         if not r.details["passed"]:
             ctx.warn("validate", fix)
@@ -560,9 +560,9 @@ def validate(ctx: BuildContext) -> StageResult:
 
 
 def benchmark(ctx: BuildContext) -> StageResult:
-    from tasks.evaluate.benchmark import baseline_note, benchmark_model, engine_timing, host_info
-    from tasks.data.inputs import generated_feeds
-    from tasks.trt.runtime import EngineRunner, runtime_cache_file
+    from tasks.evaluate import baseline_note, benchmark_model, engine_timing, host_info
+    from tasks.data import generated_feeds
+    from tasks.trt import EngineRunner, runtime_cache_file
 
     if not ctx.cfg.stages.benchmark:
         raise Skip("disabled (stages.benchmark=false)")

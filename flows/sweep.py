@@ -16,7 +16,7 @@ from typing import Callable
 
 from flows.cache import build_key
 from flows.config import compose_config, preflight
-from tasks.common.errors import TrtforgeError, cause
+from tasks.common import TrtforgeError, cause
 
 
 def jobs(n: int) -> int:

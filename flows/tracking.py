@@ -252,7 +252,7 @@ def end_run(run_id: str, ok: bool, failure: BaseException | str | None = None) -
 
 def failure_text(failure: BaseException | str) -> str:
     """The `failure` tag of a run whose result did not make it."""
-    from tasks.common.errors import cause
+    from tasks.common import cause
 
     return (f"tracking failed: {type(failure).__name__}: {cause(failure)}" if isinstance(failure, BaseException)
             else str(failure))[:5000]

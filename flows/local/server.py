@@ -184,7 +184,7 @@ def release_unused() -> None:
 
 def wait(st: dict) -> None:
     """Until the server of this record answers; UnavailableError when its watchdog dies or it takes too long."""
-    from tasks.common.errors import UnavailableError
+    from tasks.common import UnavailableError
 
     t0, fresh = time.monotonic(), False
     while not healthy(st["url"], timeout=1.0):

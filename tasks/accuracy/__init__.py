@@ -1,0 +1,15 @@
+"""How outputs are judged: cosine and error statistics, the user's metric (`accuracy.metric`), and the budget the searches aim at."""
+from tasks.common.exports import lazy
+
+__getattr__, __dir__, __all__ = lazy(__name__, {
+    "Metric": "metric",
+    "cosine": "metrics",
+    "final_activations": "metric",
+    "fingerprint": "metric",
+    "from_config": "metric",
+    "judged_samples": "budget",
+    "labels_per_feed": "metric",
+    "load_labels": "metric",
+    "search_target": "budget",
+    "with_outputs": "metric",
+})

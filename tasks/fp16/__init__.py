@@ -1,0 +1,8 @@
+"""fp16: the graph conversion (what stays fp32 and why), the range hazards found on data, and the fp16 accuracy search that keeps the sensitive nodes fp32."""
+from tasks.common.exports import lazy
+
+__getattr__, __dir__, __all__ = lazy(__name__, {
+    "fp16_from_onnx": "convert",
+    "fp16_hazards_from_data": "convert",
+    "searched_segments": "search",
+})

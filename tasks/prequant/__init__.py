@@ -1,0 +1,16 @@
+"""Models that arrive quantized: Q/DQ, QOperator and dynamically quantized graphs rewritten for TensorRT, weight-only quantization, and what a build of them can promise."""
+from tasks.common.exports import lazy
+
+__getattr__, __dir__, __all__ = lazy(__name__, {
+    "accuracy_fix": "rewrite",
+    "dequantized_fix": "rewrite",
+    "dequantized_vs_shipped": "rewrite",
+    "describe": "rewrite",
+    "float_weights": "weight_only",
+    "keep_weight_scales": "weight_only",
+    "precision_for": "rewrite",
+    "quantization_of": "rewrite",
+    "trt_from_prequantized": "rewrite",
+    "weight_only_model": "weight_only",
+    "weight_only_note": "weight_only",
+})

@@ -83,7 +83,7 @@ class Quantizer:
         """``full`` (another quantizer's all-layers int8 graph of the same model) with this quantizer's activation
         scales: the same nodes, only the scale and zero point initializers of the calibrated tensors differ, computed
         by ORT's quantizer itself (``calc_graph_quant_params``, its range adjustments included) without re-running it
-        over the graph (0.46 s of PP-OCRv4 det per range set; tests/tasks/test_qdq.py checks the two graphs equal)."""
+        over the graph (0.46 s of PP-OCRv4 det per range set; tests/tasks/quantization/test_qdq.py checks the two graphs equal)."""
         import onnx
 
         params = self._ort_quantizer(self.layers).calc_graph_quant_params()

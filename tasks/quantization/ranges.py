@@ -281,7 +281,7 @@ def _entropy_range(hist_entry) -> tuple:
 
     Every candidate at once from cumulative sums of the bins (a level's mass and non-empty bins are differences of
     them; sum p log p from a cumulative sum of x log x): KL = sum p log p - sum_levels mass log(mass / used / |Q|),
-    0.002 s per tensor instead of 0.02 s for the loop over candidates (tests/tasks/test_ranges.py checks the two agree)."""
+    0.002 s per tensor instead of 0.02 s for the loop over candidates (tests/tasks/quantization/test_ranges.py checks the two agree)."""
     hist, edges = hist_entry[0], hist_entry[1]
     bins = np.asarray(hist, dtype=np.float64).copy()
     n, nq = bins.size, ENTROPY_QUANT_BINS

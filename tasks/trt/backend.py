@@ -15,7 +15,7 @@ from functools import lru_cache
 from typing import Any
 
 from tasks.common.errors import StageError, UnavailableError
-from tasks.common.native import NOISE
+from tasks.common.errors import NOISE
 
 MODULES = {"tensorrt_rtx": "tensorrt_rtx_bindings", "tensorrt": "tensorrt"}
 INSTALL = {

@@ -11,7 +11,7 @@ import pytest
 
 from flows.config import compose_config
 from tasks.common.errors import ConfigError
-from tests.tasks.test_accuracy import MINORITY, make_softmax_classifier
+from tests.tasks.accuracy.test_metric import MINORITY, make_softmax_classifier
 
 PROFILE = "profiles:\n  - x: {min: [1, 3, 16, 16], opt: [4, 3, 16, 16], max: [8, 3, 16, 16]}\n"
 

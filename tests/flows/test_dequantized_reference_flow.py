@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.flows.test_build_flow import build
-from tests.tasks.test_prequant import quantized_models  # noqa: F401  (session fixture)
+from tests.tasks.prequant.test_rewrite import quantized_models  # noqa: F401  (session fixture)
 
 PROFILE = "profiles:\n  - x: {min: [1, 3, 16, 16], opt: [2, 3, 16, 16], max: [8, 3, 16, 16]}\n"
 

@@ -16,7 +16,7 @@ from tests.flows.test_build_flow import build
 def decoder_conf(tmp_path_factory):
     import onnx
 
-    from tests.tasks.test_fp16search import D, decoder
+    from tests.tasks.fp16.test_search import D, decoder
 
     d = tmp_path_factory.mktemp("decoder")
     (d / "model").mkdir()

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from tests.flows.test_build_flow import build
-from tests.tasks.test_paddle import tiny_paddle_json  # noqa: F401  (session fixture)
-from tests.tasks.test_prequant import quantized_models  # noqa: F401  (session fixture)
+from tests.tasks.sources.test_paddle import tiny_paddle_json  # noqa: F401  (session fixture)
+from tests.tasks.prequant.test_rewrite import quantized_models  # noqa: F401  (session fixture)
 
 PROFILE = "profiles:\n  - {name}: {{min: [1, 3, {h}, {h}], opt: [2, 3, {h}, {h}], max: [8, 3, {h}, {h}]}}\n"
 

@@ -138,7 +138,7 @@ def test_new_paddle_params_behind_the_same_config_rebuild(prefect_harness, tmp_p
     import subprocess
     import sys
 
-    from tests.tasks.test_paddle import SAVE_TINY
+    from tests.tasks.sources.test_paddle import SAVE_TINY
 
     pytest.importorskip("paddle")
     (tmp_path / "save.py").write_text(SAVE_TINY.replace("paddle.seed(0)", "paddle.seed(int(sys.argv[2]))"))

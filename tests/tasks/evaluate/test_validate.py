@@ -5,7 +5,7 @@ from tasks.common.errors import AccuracyError
 from tasks.accuracy.metrics import compare, pooled_cosine, summarize
 from tasks.onnxrt.ort import ort_run, ort_session
 from tasks.evaluate.validate import validate_onnx
-from tests.tasks.test_prequant import quantized_models  # noqa: F401  (session fixture)
+from tests.tasks.prequant.test_rewrite import quantized_models  # noqa: F401  (session fixture)
 
 
 def test_compare_and_summarize_cosine_over_the_whole_set():

@@ -2,7 +2,6 @@
 batches 1..4, a few odd requests), read and checked against the real PP-OCRv4 det graph; bad records refused."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +10,7 @@ import pytest
 from benchmarks.traffic_data import document_traffic
 from tasks.common.errors import ConfigError
 from tasks.graph.models import TensorInfo
-from tasks.data.traffic import (TrafficDraws, inside, propose, read_traffic, serving, write_profiles, yaml_fragment)
+from tasks.data.traffic import TrafficDraws, inside, propose, read_traffic, serving, write_profiles, yaml_fragment
 
 X = [TensorInfo("x", "float32", ["N", 3, "H", "W"])]
 

@@ -6,7 +6,6 @@ import threading
 import time
 
 import numpy as np
-import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 

@@ -10,7 +10,7 @@ from onnx import TensorProto, helper, numpy_helper
 from tasks.trt.backend import Backend
 from tasks.build.engines import onnx_at_precision
 from tasks.quantization.calibrate import qdq_from_onnx
-from tasks.trt.network import PRECISIONS, describe, precision_profile, precision_profile_from_onnx, summarize
+from tasks.trt.network import describe, precision_profile, precision_profile_from_onnx, summarize
 from tests.conftest import make_conv_model
 
 N, H, W = 2, 16, 24
@@ -177,7 +177,7 @@ def test_a_graph_the_profile_cannot_parse_says_why_once_and_prints_nothing_itsel
     import subprocess
     import sys
 
-    code = ("import sys\nfrom pathlib import Path\nfrom tasks.trt.backend import Backend\nfrom tasks.trt import network as flops\n"
+    code = ("import sys\nfrom pathlib import Path\nfrom tasks.trt import Backend\nfrom tasks.trt import network as flops\n"
             "from tests.conftest import make_conv_model\n"
             f"p = make_conv_model(Path({str(tmp_path / 'custom.onnx')!r}), custom_op='Foo')\n"
             "try:\n"

@@ -11,8 +11,7 @@ import pytest
 from tasks.trt.backend import gpu_for, host_gpus, no_gpu_reason
 from tasks.common.errors import StageError
 from tasks.onnxrt.ort import ort_run, ort_session
-from tasks.trt.runtime import (TensorSpec, binding_unchanged, check_feed, choose_profile, cuda_versions, graph_binding,
-                           output_plan, runtime_cache_file)
+from tasks.trt.runtime import TensorSpec, binding_unchanged, check_feed, choose_profile, cuda_versions, graph_binding, output_plan, runtime_cache_file
 
 RTX_CC = ("7.5", "8.0", "8.6", "8.9", "12.0", "12.1")
 

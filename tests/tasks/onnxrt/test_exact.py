@@ -18,7 +18,7 @@ import pytest
 
 from tasks.accuracy.metrics import pooled_cosine
 from tasks.onnxrt.ort import ort_run, ort_session
-from tests.tasks.test_prequant import quantized_models  # noqa: F401  (session fixture)
+from tests.tasks.prequant.test_rewrite import quantized_models  # noqa: F401  (session fixture)
 
 # CPU kernels of integer arithmetic (ONNX Runtime's fused or QOperator ops): none may run for an accuracy figure
 INTEGER_KERNELS = {"QLinearConv", "QLinearMatMul", "QGemm", "MatMulInteger", "ConvInteger", "NhwcQLinearConv",
@@ -98,7 +98,7 @@ def test_the_same_figures_on_an_avx2_only_and_an_sse4_only_cpu(quantized_models)
     there = {}
     root = Path(__file__).resolve().parents[2]
     for cpu in CPUS:
-        p = subprocess.run([qemu, "-cpu", cpu, sys.executable, "-m", "tests.tasks.test_exact", str(folder)],
+        p = subprocess.run([qemu, "-cpu", cpu, sys.executable, "-m", "tests.tasks.onnxrt.test_exact", str(folder)],
                            cwd=root, capture_output=True, text=True, timeout=600,
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert p.returncode == 0, p.stderr[-2000:]
