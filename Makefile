@@ -16,7 +16,7 @@ export MLFLOW_DISABLE_TELEMETRY ?= true
 export DO_NOT_TRACK ?= true
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
-.PHONY: build test ui browser qemu rebuild serve setup paddle clean zoo
+.PHONY: build test test-quick ui browser qemu rebuild serve setup paddle clean zoo
 
 # Paddle inference models (format: paddle) need the converters: paddlepaddle 3.2.2 with paddle2onnx 2.1.0 for Paddle 3
 # `.json` programs, paddle2onnx 1.3.1 (no paddle needed) for legacy `.pdmodel`. Both paddle2onnx releases pin an older
@@ -54,6 +54,10 @@ build: $(STAMP) $(if $(PADDLE_MODEL),$(PADDLE_STAMP))
 
 test: $(STAMP) $(PADDLE_STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# everyday work: the suite without the `slow` tests (whole flows, several real engines); CI runs `make test`
+test-quick: $(STAMP) $(PADDLE_STAMP)
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # one pass of the scheduled rebuild; `make rebuild rebuild_out=r.json`
 rebuild: $(STAMP)
