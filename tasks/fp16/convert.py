@@ -15,7 +15,9 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from tasks.graph.types import SHAPE_OPS, unify_input_types
-from tasks.graph.edit import drop_initializer_inputs, fold_constants, name_allocator, names_in, node_inputs, opset_of, subgraphs, toposort, uniquify_node_names, with_opset
+from tasks.graph.edit import name_allocator, names_in, node_inputs, subgraphs, toposort, uniquify_node_names
+from tasks.graph.fold import fold_constants
+from tasks.graph.load import drop_initializer_inputs, opset_of, with_opset
 
 FP16_MAX = 65504.0
 # Initializers whose fp16 rounding error (relative L2) exceeds this keep their

@@ -12,7 +12,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from tasks.graph.edit import name_allocator, opset_of, replace_node, subgraphs, unique_name
+from tasks.graph.edit import name_allocator, replace_node, subgraphs, unique_name
+from tasks.graph.load import opset_of
 
 F = TensorProto.FLOAT
 # ONNX ops whose CPU kernels are integer arithmetic; ``exact_integer_ops`` rewrites them into float ops computing the

@@ -44,7 +44,8 @@ from onnx import numpy_helper
 
 from tasks.common.errors import ConfigError
 from tasks.onnxrt.exact import QLINEAR_CONTRIB, _qdq_from_qlinear, _qdq_from_qlinear_contrib  # noqa: F401 (QOperator rewrites)
-from tasks.graph.edit import links, opset_of, prune_unused, replace_node, unique_name
+from tasks.graph.edit import links, prune_unused, replace_node, unique_name
+from tasks.graph.load import opset_of
 
 QDQ = ("QuantizeLinear", "DequantizeLinear")
 DYNAMIC_OPS = ("DynamicQuantizeLinear", "ConvInteger", "MatMulInteger", "DynamicQuantizeLSTM")

@@ -21,7 +21,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
-from tasks.graph.edit import links, opset_of, prune_unused, unique_name
+from tasks.graph.edit import links, prune_unused, unique_name
+from tasks.graph.load import opset_of
 
 INT_TYPES = {TensorProto.INT8: (-128, 127), TensorProto.UINT8: (0, 255), TensorProto.INT4: (-8, 7),
              TensorProto.UINT4: (0, 15)}

@@ -24,7 +24,9 @@ import numpy as np
 
 from tasks.common.errors import AccuracyError, ConfigError, StageError, UnavailableError
 from tasks.graph.flops import onnx_flops
-from tasks.graph.edit import fold_constants, fp32_from_fp16, opset_of, uniquify_node_names, with_opset
+from tasks.graph.edit import fp32_from_fp16, uniquify_node_names
+from tasks.graph.fold import fold_constants
+from tasks.graph.load import opset_of, with_opset
 from tasks.data.inputs import batch_size
 from tasks.accuracy.metrics import worst_feed_cosine
 from tasks.onnxrt.ort import ordered_runs, ort_runner, quiet_python_logging, run_workers

@@ -36,7 +36,9 @@ def source_fingerprint(model_cfg: Any, search: list[Path] | None = None) -> dict
 def onnx_from_model(model_cfg: Any, profiles: list[dict], out_path: Path, search: list[Path] | None = None,
                     cache_root: Path | None = None) -> StageResult:
     """Export or pass through, then sanitize; writes out_path (fp32 ONNX). `cache_root` keeps Paddle conversions."""
-    from tasks.graph.edit import fold_for_profiles, load_onnx, opset_of, specialise
+    from tasks.graph.fold import fold_for_profiles
+    from tasks.graph.load import load_onnx, opset_of
+    from tasks.graph.specialise import specialise
     import onnx
 
     from tasks.prequant.rewrite import quantization_of, trt_from_prequantized
@@ -120,7 +122,8 @@ def sanitize(model) -> tuple[Any, list[str]]:
       because TensorRT reads a shared name as one dimension and refuses non-square profiles;
     - shape inference fills in value_info for the later precision passes.
     """
-    from tasks.graph.edit import drop_initializer_inputs, fold_constants, lower_ir
+    from tasks.graph.fold import fold_constants
+    from tasks.graph.load import drop_initializer_inputs, lower_ir
 
     notes: list[str] = []
     g = model.graph

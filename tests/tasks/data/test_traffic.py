@@ -17,7 +17,7 @@ X = [TensorInfo("x", "float32", ["N", 3, "H", "W"])]
 
 @pytest.fixture(scope="module")
 def det():
-    from tasks.graph.edit import load_onnx
+    from tasks.graph.load import load_onnx
     from tasks.graph.models import graph_io, resolve_source
 
     model = load_onnx(resolve_source("pkg://rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx"))

@@ -1,7 +1,7 @@
 import pytest
 
 from tasks.common.errors import ConfigError
-from tasks.graph.edit import load_onnx
+from tasks.graph.load import load_onnx
 from tasks.graph.models import check_safe_name, graph_io, resolve_source
 
 

@@ -6,7 +6,7 @@ import pytest
 from tasks.trt.backend import Backend
 from tasks.common.errors import StageError
 from tasks.data.inputs import generated_feeds
-from tasks.graph.edit import load_onnx
+from tasks.graph.load import load_onnx
 from tasks.graph.models import graph_io
 from tasks.partition.partition import plan_from_onnx
 from tasks.onnxrt.ort import ort_runner

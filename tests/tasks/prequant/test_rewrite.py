@@ -339,7 +339,7 @@ def test_qoperator_contrib_ops_become_qdq_and_one_tensorrt_graph(tmp_path):
     assert float((a * b).sum() / np.linalg.norm(a) / np.linalg.norm(b)) > 0.999
     onnx.save(m, str(tmp_path / "m.onnx"))
     from tasks.data.inputs import generated_feeds
-    from tasks.graph.edit import load_onnx
+    from tasks.graph.load import load_onnx
     from tasks.graph.models import graph_io
     from tasks.partition.partition import plan_from_onnx
 
@@ -360,7 +360,7 @@ def test_qoperator_classifier_head_qgemm_becomes_one_tensorrt_graph(tmp_path, pe
 
     from tasks.trt.backend import Backend
     from tasks.data.inputs import generated_feeds
-    from tasks.graph.edit import load_onnx
+    from tasks.graph.load import load_onnx
     from tasks.graph.models import graph_io
     from tasks.partition.partition import plan_from_onnx
 

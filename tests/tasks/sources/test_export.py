@@ -91,7 +91,7 @@ def test_a_model_written_with_todays_onnx_defaults_is_lowered_to_the_ir_onnx_run
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from tasks.graph.edit import runtime_max_ir
+    from tasks.graph.load import runtime_max_ir
     from tasks.onnxrt.ort import ort_run, ort_session
 
     w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((4, 3, 3, 3)).astype(np.float32), "w")
@@ -145,7 +145,7 @@ def test_a_conv_whose_filter_shape_only_the_profile_reveals_is_folded_and_builds
     from tasks.trt.backend import Backend
     from tasks.build.engines import engine_from_onnx
     from tasks.common.errors import StageError
-    from tasks.graph.edit import unknown_conv_shapes
+    from tasks.graph.fold import unknown_conv_shapes
     from tasks.onnxrt.ort import ort_runner
 
     src = make_tf_style_conv1d(tmp_path / "tf1d.onnx")
