@@ -69,7 +69,7 @@ def benchmark_model(onnx_path: Path, feed: dict[str, np.ndarray], bench_cfg: Any
         metrics.update({f"trt_{k}": v for k, v in engine_timing.items() if isinstance(v, float)})
     metrics["benchmark_seconds"] = time.perf_counter() - t0
     files = {"benchmark": out_path}
-    from tasks.report.report import latency_plot
+    from tasks.report.plots import latency_plot
 
     plot = latency_plot(report, out_path.with_name("latency.png"))  # kept with the timing (a cached one needs no redraw)
     if plot:

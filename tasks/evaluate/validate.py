@@ -148,7 +148,7 @@ def validate_onnx(reference: Path, candidate: Path | Callable, feeds: list[dict[
     write_json(out_path, report)
     metrics["validate_seconds"] = time.perf_counter() - t0
     files = {"validation": out_path}
-    from tasks.report.report import accuracy_plot
+    from tasks.report.plots import accuracy_plot
 
     plot = accuracy_plot(report, out_path.with_name("accuracy.png"))  # kept with the verdict (a cached one needs no redraw)
     if plot:

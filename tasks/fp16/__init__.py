@@ -3,6 +3,6 @@ from tasks.common.exports import lazy
 
 __getattr__, __dir__, __all__ = lazy(__name__, {
     "fp16_from_onnx": "convert",
-    "fp16_hazards_from_data": "convert",
+    "fp16_hazards_from_data": "hazards",
     "searched_segments": "search",
 })

@@ -257,7 +257,7 @@ def searched_segments(convs: dict[int, StageResult], out_dir: Path) -> StageResu
     conversion's result): its figures under the int8 search's names, combined as int8's are
     (``tasks.search.restore.combined_search_metrics``: the lowest segment's cosine), and one sensitivity report of the segments
     it searched; empty when it searched none."""
-    from tasks.report.report import sensitivity_report
+    from tasks.report.sensitivity import sensitivity_report
     from tasks.search.restore import combined_search_metrics
 
     searched = [(i, c) for i, c in convs.items() if "fp16_search" in c.details]

@@ -30,7 +30,7 @@ from tasks.graph.load import opset_of, with_opset
 from tasks.data.inputs import batch_size
 from tasks.accuracy.metrics import worst_feed_cosine
 from tasks.onnxrt.ort import ordered_runs, ort_runner, quiet_python_logging, run_workers
-from tasks.fp16.convert import DATA_MAX, fp16_hazards_from_data
+from tasks.fp16.hazards import DATA_MAX, fp16_hazards_from_data
 from tasks.quantization.qdq import PRECISIONS, QUANT_OPS, Quantizer
 from tasks.quantization.ranges import DEFAULT_METHOD, METHODS, alternative_ranges, ranges_from_feeds, save_ranges
 from tasks.search.judging import JUDGE_Z, Judged
@@ -363,7 +363,7 @@ def qdq_for_segments(segments: list[dict], feeds_for: Callable[[int], list[Feed]
     (one of several) is written at the high precision; a model with none at all is refused. ``rest``
     (tasks/segments.Rest on the model feeds ``judge_feeds_of`` picks from the model's calibration and search samples):
     each segment's candidates are judged through the rest of the model, on its outputs (``qdq_from_onnx``)."""
-    from tasks.report.report import sensitivity_report
+    from tasks.report.sensitivity import sensitivity_report
 
     files, per_segment, details = {}, [], []
     for s in segments:
@@ -390,7 +390,7 @@ LOW_SHARE = 0.5  # below this share of layer FLOPs quantized, int8 is unlikely t
 def low_share_warning(segments: list[dict], precision: str) -> str | None:
     """A warning when the search kept most of the layer FLOPs out of ``precision``, naming the layers that hold it back
     (the most FLOPs kept in high precision, with each one's own output error); None otherwise."""
-    from tasks.report.report import held_back
+    from tasks.report.sensitivity import held_back
 
     held = held_back(segments)
     if held is None or held[0] >= LOW_SHARE:

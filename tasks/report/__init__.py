@@ -2,8 +2,8 @@
 from tasks.common.exports import lazy
 
 __getattr__, __dir__, __all__ = lazy(__name__, {
-    "compare_html": "report",
-    "compare_plot": "report",
-    "compare_text": "report",
+    "compare_html": "compare",
+    "compare_plot": "compare",
+    "compare_text": "compare",
     "write_report": "report",
 })

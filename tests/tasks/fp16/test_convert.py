@@ -681,7 +681,7 @@ def test_values_beyond_fp16s_range_on_the_data_keep_their_nodes_fp32(tmp_path):
 
     from tasks.build.engines import onnx_at_precision
     from tasks.onnxrt.emulate import fp16_rounded
-    from tasks.fp16.convert import fp16_hazards_from_data
+    from tasks.fp16.hazards import fp16_hazards_from_data
     from tests.conftest import audio_16bit, make_audio_power_model
 
     path = make_audio_power_model(tmp_path / "mel.onnx")
@@ -745,7 +745,7 @@ def test_a_variance_taken_as_a_difference_of_moments_is_computed_in_fp32(tmp_pat
     on the data, the moments and the differences are computed in fp32 from the input; the MatMul stays fp16."""
     from tasks.build.engines import onnx_at_precision
     from tasks.onnxrt.emulate import fp16_rounded
-    from tasks.fp16.convert import fp16_hazards_from_data
+    from tasks.fp16.hazards import fp16_hazards_from_data
 
     path = _layernorm_model(tmp_path / "ln.onnx", "moments")
     x = _offset_rows(32)
@@ -771,7 +771,7 @@ def test_a_variance_taken_as_a_difference_of_moments_is_computed_in_fp32(tmp_pat
 
 def test_a_centered_variance_and_data_near_zero_keep_everything_fp16(tmp_path):
     """No false alarm on activations of the usual kind (centred near zero, unit spread): neither LayerNorm form cancels."""
-    from tasks.fp16.convert import fp16_hazards_from_data
+    from tasks.fp16.hazards import fp16_hazards_from_data
 
     zero_mean = np.random.default_rng(3).standard_normal((8, 64)).astype(np.float32)
     for variance in ("centered", "moments"):

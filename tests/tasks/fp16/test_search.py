@@ -14,7 +14,8 @@ from tasks.onnxrt.emulate import fp16_rounded
 from tasks.common.errors import AccuracyError
 from tasks.fp16.search import error_growth, fp16_candidates, fp16_within_budget
 from tasks.accuracy.metrics import worst_feed_cosine
-from tasks.fp16.convert import fp16_from_onnx, fp16_hazards_from_data
+from tasks.fp16.convert import fp16_from_onnx
+from tasks.fp16.hazards import fp16_hazards_from_data
 
 D, STEPS = 16, 12
 
