@@ -170,19 +170,13 @@ def fp16_within_budget(fp32_path: Path, out_path: Path, feeds: list[Feed], targe
     ``search_runs``, ``search_seconds``; details: the kept nodes with what each costs, and the ranking
     (``sensitivity``, as the int8 search reports it)."""
     from tasks.graph.models import save_onnx
-    from tasks.graph.flops import onnx_flops
     from tasks.data.inputs import batch_size
-    from tasks.onnxrt.ort import ort_session, ort_run
-    from tasks.search.restore import restore_search
 
     t0 = time.perf_counter()
     fp32 = onnx.load(str(fp32_path))
     model16, stats = convert({})
     try:
-        ref_sess = ort_session(Path(fp32_path), stage=STAGE)
-        refs = [ort_run(ref_sess, f, stage=STAGE) for f in feeds]
-        judge = Judge(feeds, refs, metric)
-        first = judge.estimate(model16)
+        judge, first = _judged_as_converted(fp32_path, feeds, metric, model16)
     except StageError as e:  # ONNX Runtime cannot run it here: no figure (validate says what it can), no search
         save_onnx(model16, out_path)
         return StageResult(files={"onnx": out_path}, metrics={}, details={
@@ -191,10 +185,6 @@ def fp16_within_budget(fp32_path: Path, out_path: Path, feeds: list[Feed], targe
     what = "cosine" if pooled else getattr(metric, "label", "score")
     statistic = (f"pooled cosine less {judge.z:g} standard error (jackknife over the samples)" if pooled else
                  f"{what}, worst sample")
-
-    def figure(j) -> str:
-        return f"{j.cosine:.6f}" + (f" (less {judge.z:g} standard error: {j.bound:.6f})" if j.se else "")
-
     details: dict = {"min_cosine": target, "search_feeds": len(feeds), "search_set": samples_text,
                      "search_statistic": statistic, "metric": "cosine" if pooled else metric.name,
                      "cosine_fp16": first.cosine, "bound_fp16": first.bound, "kept": {}, "sensitivity": []}
@@ -202,45 +192,16 @@ def fp16_within_budget(fp32_path: Path, out_path: Path, feeds: list[Feed], targe
     chosen_kept: dict[str, float] = {}
     final = first
     if first.bound < target:
-        names = fp16_candidates(model16)
-        hardest = feeds[int(np.argmin(judge.per_feed))]
-        growth = error_growth(fp32, model16, names, hardest)
-        shapes = {k: list(v.shape) for k, v in hardest.items()}
-        flops = onnx_flops(model16, shapes, names)
-        ops = {n.name: n.op_type for n in model16.graph.node}
-        candidates = names
-
-        def meets(fp16_nodes: list[str]) -> bool:
-            on = set(fp16_nodes)
-            m, _ = convert({n: growth.get(n, 0.0) for n in candidates if n not in on})
-            return judge.meets(m, target)
-
-        fp16_nodes, _ = restore_search(candidates, meets, growth, flops, refine=REFINE)
-        chosen_kept = {n: growth.get(n, 0.0) for n in candidates if n not in set(fp16_nodes)}
+        candidates, chosen_kept, details["sensitivity"] = _kept_by_search(fp32, model16, feeds, judge, convert, target)
         model16, stats = convert(chosen_kept)
         final = judge.estimate(model16)
-        details["sensitivity"] = sorted(
-            ({"node": n, "op": ops.get(n), "flops": flops.get(n), "error_growth": growth.get(n, 0.0),
-              "quantized": n not in chosen_kept} for n in candidates), key=lambda r: -r["error_growth"])
         details["kept"] = chosen_kept
         where = (f"{statistic} over {len(feeds)} {samples_text}, onnxruntime emulation of fp16")
         aim = (f"the search's target {target:.6g}" + (
             f" (accuracy.min_cosine={budget:g} plus calibration.budget_margin of the allowed error)"
             if budget is not None and pooled else f" ({what})" if not pooled else ""))
-        if not set(candidates) - set(chosen_kept):  # every node fp32: an fp32 engine, not an fp16 one
-            raise AccuracyError(
-                f"fp16 misses the accuracy budget: the fp16 graph gives {figure(first)} ({where}) against {aim}, and "
-                f"no set of nodes kept in fp32 that the search tried meets it short of all {len(candidates)} (that is "
-                f"an fp32 engine; with all of them fp32: {figure(final)})", stage=STAGE, file=str(fp32_path),
-                fix="build this model at precision=fp32, or lower accuracy.min_cosine")
-        if final.bound < target:
-            raise AccuracyError(
-                f"fp16 misses the accuracy budget: the fp16 graph gives {figure(first)} ({where}), and keeping the "
-                f"{len(chosen_kept)} nodes that cost the most in fp32 gives {figure(final)} against {aim}; kept: "
-                f"{', '.join(sorted(chosen_kept, key=lambda n: -chosen_kept[n])[:6])}",
-                stage=STAGE, file=str(fp32_path),
-                fix="build this model at precision=fp32, give calibration.data with real inputs (the search judged "
-                    f"{samples_text}), or lower accuracy.min_cosine")
+        _refuse_short_of_target(first, final, candidates, chosen_kept, target, judge.z, where, aim, samples_text,
+                                fp32_path)
     save_onnx(model16, out_path)
     if pooled:
         metrics.update(search_cosine_fp16=first.cosine, search_cosine=final.cosine, search_cosine_se=final.se,
@@ -250,6 +211,72 @@ def fp16_within_budget(fp32_path: Path, out_path: Path, feeds: list[Feed], targe
     metrics.update(search_cosine_worst_feed=final.worst, fallback_layers=len(chosen_kept), search_runs=judge.runs,
                    search_seconds=time.perf_counter() - t0)
     return StageResult(files={"onnx": out_path}, metrics=metrics, details={**stats, "fp16_search": details})
+
+
+def _judged_as_converted(fp32_path: Path, feeds: list[Feed], metric, model16: onnx.ModelProto):
+    """The ``Judge`` of the held-out ``feeds`` against the fp32 model's outputs, and its estimate of ``model16`` (the
+    graph as converted). Raises StageError when ONNX Runtime cannot run either graph here."""
+    from tasks.onnxrt.ort import ort_session, ort_run
+
+    ref_sess = ort_session(Path(fp32_path), stage=STAGE)
+    refs = [ort_run(ref_sess, f, stage=STAGE) for f in feeds]
+    judge = Judge(feeds, refs, metric)
+    return judge, judge.estimate(model16)
+
+
+def _kept_by_search(fp32: onnx.ModelProto, model16: onnx.ModelProto, feeds: list[Feed], judge: Judge,
+                    convert: Callable[[dict[str, float]], tuple[onnx.ModelProto, dict]],
+                    target: float) -> tuple[list[str], dict[str, float], list[dict]]:
+    """The nodes to keep fp32 (``tasks.search.restore.restore_search`` over the fp16 nodes ranked by their error growth on
+    the worst held-out sample, per FLOP): the candidates, {kept node: its error growth} and the ranking (``sensitivity``,
+    most error first)."""
+    from tasks.graph.flops import onnx_flops
+    from tasks.search.restore import restore_search
+
+    names = fp16_candidates(model16)
+    hardest = feeds[int(np.argmin(judge.per_feed))]
+    growth = error_growth(fp32, model16, names, hardest)
+    shapes = {k: list(v.shape) for k, v in hardest.items()}
+    flops = onnx_flops(model16, shapes, names)
+    ops = {n.name: n.op_type for n in model16.graph.node}
+    candidates = names
+
+    def meets(fp16_nodes: list[str]) -> bool:
+        on = set(fp16_nodes)
+        m, _ = convert({n: growth.get(n, 0.0) for n in candidates if n not in on})
+        return judge.meets(m, target)
+
+    fp16_nodes, _ = restore_search(candidates, meets, growth, flops, refine=REFINE)
+    chosen_kept = {n: growth.get(n, 0.0) for n in candidates if n not in set(fp16_nodes)}
+    sensitivity = sorted(
+        ({"node": n, "op": ops.get(n), "flops": flops.get(n), "error_growth": growth.get(n, 0.0),
+          "quantized": n not in chosen_kept} for n in candidates), key=lambda r: -r["error_growth"])
+    return candidates, chosen_kept, sensitivity
+
+
+def _figure(j, z: float) -> str:
+    """A judged graph's figure as the search's messages give it (with its bound when it has a standard error)."""
+    return f"{j.cosine:.6f}" + (f" (less {z:g} standard error: {j.bound:.6f})" if j.se else "")
+
+
+def _refuse_short_of_target(first, final, candidates: list[str], chosen_kept: dict[str, float], target: float,
+                            z: float, where: str, aim: str, samples_text: str, fp32_path: Path) -> None:
+    """Raise the AccuracyError of a search that kept every candidate fp32 (an fp32 engine) or whose ``final`` graph
+    still misses ``target``."""
+    if not set(candidates) - set(chosen_kept):  # every node fp32: an fp32 engine, not an fp16 one
+        raise AccuracyError(
+            f"fp16 misses the accuracy budget: the fp16 graph gives {_figure(first, z)} ({where}) against {aim}, and "
+            f"no set of nodes kept in fp32 that the search tried meets it short of all {len(candidates)} (that is "
+            f"an fp32 engine; with all of them fp32: {_figure(final, z)})", stage=STAGE, file=str(fp32_path),
+            fix="build this model at precision=fp32, or lower accuracy.min_cosine")
+    if final.bound < target:
+        raise AccuracyError(
+            f"fp16 misses the accuracy budget: the fp16 graph gives {_figure(first, z)} ({where}), and keeping the "
+            f"{len(chosen_kept)} nodes that cost the most in fp32 gives {_figure(final, z)} against {aim}; kept: "
+            f"{', '.join(sorted(chosen_kept, key=lambda n: -chosen_kept[n])[:6])}",
+            stage=STAGE, file=str(fp32_path),
+            fix="build this model at precision=fp32, give calibration.data with real inputs (the search judged "
+                f"{samples_text}), or lower accuracy.min_cosine")
 
 
 def searched_segments(convs: dict[int, StageResult], out_dir: Path) -> StageResult:
