@@ -74,7 +74,7 @@ def validate_onnx(reference: Path, candidate: Path | Callable, feeds: list[dict[
     too with ``accuracy.gate_logits``.
 
     Every session is exact (tasks/onnxrt/ort.py): Q/DQ and integer ops computed as written, the same on any x86-64 CPU."""
-    from tasks.accuracy.metric import Metric, logit_report
+    from tasks.accuracy.metric import Metric
 
     metric = metric or Metric(min_cosine=min_cosine)
     t0 = time.perf_counter()
@@ -86,54 +86,26 @@ def validate_onnx(reference: Path, candidate: Path | Callable, feeds: list[dict[
     samples = sum(batch_size(f) for f in feeds)
     evidence = list(evidence or [])
     measured: dict[str, dict] | None = None  # per output, of what the gate judges
+    source: str | None = None  # what measured it
+    measured_outs: list[dict] = []
     metrics: dict = {"validate_feeds": len(feeds), "validate_samples": samples}
     emulation_report: dict = {"source": emulation, "status": "not measured",
                               "reason": "the candidate graph is the reference graph itself"}
     if not identical:
-        run_candidate = candidate if callable(candidate) else (lambda f, s=ort_session(candidate): ort_run(s, f))
-        emu_outs = [run_candidate(f) for f in feeds]
-        per_feed = [compare(r, o) for r, o in zip(refs, emu_outs)]
-        emu = summarize(per_feed)
-        emulation_report = {"source": emulation, "status": "ok", "cosine_min": headline(emu)["cosine_min"],
-                            "outputs": emu, "per_feed": per_feed}
+        emulation_report, measured_outs = _emulation_measured(candidate, feeds, refs, emulation)
         metrics["emulation_cosine_min"] = emulation_report["cosine_min"]
-        measured, source, measured_outs = emu, emulation, emu_outs
+        measured, source = emulation_report["outputs"], emulation
     if engine is not None:
-        eng_outs = [engine(f) for f in feeds]
-        eng = summarize([compare(r, o) for r, o in zip(refs, eng_outs)])
-        engine = {"status": "ok", "device": engine_device, "outputs": eng, "cosine_min": headline(eng)["cosine_min"]}
+        engine, measured_outs = _engine_measured(engine, feeds, refs, engine_device)
         metrics["engine_cosine_min"] = engine["cosine_min"]
-        measured, source, measured_outs = eng, engine_device or "engine", eng_outs  # the engine is what ships
+        measured, source = engine["outputs"], engine_device or "engine"  # the engine is what ships
     else:
         engine = {"status": "skipped", "reason": engine_skip_reason or "engine execution not requested"}
-    if measured is not None:
-        metrics.update(headline(measured), cosine_source=source)
-        near_zero = [n for n, m in measured.items() if m["ref_max_abs"] < NEAR_ZERO]
-        if near_zero:
-            warnings.append(f"reference outputs {near_zero} are ~0 on these inputs (max |x| < {NEAR_ZERO}); their cosine "
-                            "compares rounding noise: give validation.data or model.images for a meaningful check")
-    else:
-        evidence.insert(0, "identical graph, not measured: the graph TensorRT builds is the reference graph itself, "
-                           "so ONNX Runtime can only compare it with itself; the engine's own accuracy needs a GPU of the "
-                           "target's compute capability")
+    _note_measurement(measured, source, metrics, warnings, evidence)
     accuracy = None
     if measured is not None:  # the user's metric on what the gate judges
-        accuracy = {**metric.evaluate(measured_outs, refs, feeds, labels), "source": source}
+        accuracy = _accuracy_of(metric, measured_outs, refs, feeds, labels, source, emulation, logits)
         metrics.update(accuracy_metric=metric.name, accuracy_score=accuracy["score"])
-        accuracy["gated_by"] = "outputs"
-        finals = (logits or {}).get("finals") or {}
-        if finals and logits.get("candidate") is not None and source == emulation:
-            logit_outs = [logits["candidate"](f) for f in feeds]
-            logit_refs = [logits["reference"](f) for f in feeds]
-            accuracy["logits"] = logit_report(metric, finals, logit_outs, logit_refs)
-        elif finals:
-            accuracy["logits_not_measured"] = (logits or {}).get("reason") or "the engine's logits are not graph outputs"
-        failed_logits = [n for n, row in (accuracy.get("logits") or {}).items() if row.get("passed") is False]
-        if metric.gate_logits and failed_logits and accuracy["passed"]:
-            accuracy.update(passed=False, gated_by=f"logits of {failed_logits[0]!r} (the input of its "
-                                                   f"{accuracy['logits'][failed_logits[0]]['op']})")
-        elif metric.gate_logits and accuracy.get("logits"):
-            accuracy["gated_by"] = "outputs and logits"
     passed = measured is None or accuracy["passed"]
     report = {
         "reference": reference_label, "inputs": inputs_source, "samples": samples,
@@ -147,15 +119,81 @@ def validate_onnx(reference: Path, candidate: Path | Callable, feeds: list[dict[
     }
     write_json(out_path, report)
     metrics["validate_seconds"] = time.perf_counter() - t0
-    files = {"validation": out_path}
+    result = StageResult(files=_validation_files(report, out_path), metrics=metrics, details=report)
+    gate(result, label=label or (None if callable(candidate) else str(candidate)), fix=fix)
+    return result
+
+
+def _emulation_measured(candidate: Path | Callable, feeds: list[dict[str, np.ndarray]], refs: list[dict],
+                        emulation: str) -> tuple[dict, list[dict]]:
+    """The candidate (an ONNX file run in ONNX Runtime, or a callable) on every feed against the references: the
+    report's ``emulation`` entry (its outputs' statistics, overall and per feed) and the candidate's outputs."""
+    run_candidate = candidate if callable(candidate) else (lambda f, s=ort_session(candidate): ort_run(s, f))
+    emu_outs = [run_candidate(f) for f in feeds]
+    per_feed = [compare(r, o) for r, o in zip(refs, emu_outs)]
+    emu = summarize(per_feed)
+    return {"source": emulation, "status": "ok", "cosine_min": headline(emu)["cosine_min"], "outputs": emu,
+            "per_feed": per_feed}, emu_outs
+
+
+def _engine_measured(engine: Callable, feeds: list[dict[str, np.ndarray]], refs: list[dict],
+                     engine_device: str | None) -> tuple[dict, list[dict]]:
+    """The engine runner on every feed against the references: the report's ``engine`` entry and the engine's
+    outputs."""
+    eng_outs = [engine(f) for f in feeds]
+    eng = summarize([compare(r, o) for r, o in zip(refs, eng_outs)])
+    return {"status": "ok", "device": engine_device, "outputs": eng, "cosine_min": headline(eng)["cosine_min"]}, eng_outs
+
+
+def _note_measurement(measured: dict | None, source: str | None, metrics: dict, warnings: list[str],
+                      evidence: list[str]) -> None:
+    """The cosine headline of what was ``measured`` into ``metrics``, with a warning for reference outputs ~0
+    everywhere; nothing measured (an identical graph): why, first in ``evidence``."""
+    if measured is not None:
+        metrics.update(headline(measured), cosine_source=source)
+        near_zero = [n for n, m in measured.items() if m["ref_max_abs"] < NEAR_ZERO]
+        if near_zero:
+            warnings.append(f"reference outputs {near_zero} are ~0 on these inputs (max |x| < {NEAR_ZERO}); their cosine "
+                            "compares rounding noise: give validation.data or model.images for a meaningful check")
+    else:
+        evidence.insert(0, "identical graph, not measured: the graph TensorRT builds is the reference graph itself, "
+                           "so ONNX Runtime can only compare it with itself; the engine's own accuracy needs a GPU of the "
+                           "target's compute capability")
+
+
+def _accuracy_of(metric, measured_outs: list[dict], refs: list[dict], feeds: list[dict[str, np.ndarray]],
+                 labels: list | None, source: str, emulation: str, logits: dict | None) -> dict:
+    """The report's ``accuracy``: the user's metric on the measured outputs, with the logits of outputs from a final
+    Softmax/Sigmoid/LogSoftmax (measured in the emulation only) and what gated (``gated_by``)."""
+    from tasks.accuracy.metric import logit_report
+
+    accuracy = {**metric.evaluate(measured_outs, refs, feeds, labels), "source": source}
+    accuracy["gated_by"] = "outputs"
+    finals = (logits or {}).get("finals") or {}
+    if finals and logits.get("candidate") is not None and source == emulation:
+        logit_outs = [logits["candidate"](f) for f in feeds]
+        logit_refs = [logits["reference"](f) for f in feeds]
+        accuracy["logits"] = logit_report(metric, finals, logit_outs, logit_refs)
+    elif finals:
+        accuracy["logits_not_measured"] = (logits or {}).get("reason") or "the engine's logits are not graph outputs"
+    failed_logits = [n for n, row in (accuracy.get("logits") or {}).items() if row.get("passed") is False]
+    if metric.gate_logits and failed_logits and accuracy["passed"]:
+        accuracy.update(passed=False, gated_by=f"logits of {failed_logits[0]!r} (the input of its "
+                                               f"{accuracy['logits'][failed_logits[0]]['op']})")
+    elif metric.gate_logits and accuracy.get("logits"):
+        accuracy["gated_by"] = "outputs and logits"
+    return accuracy
+
+
+def _validation_files(report: dict, out_path: Path) -> dict[str, Path]:
+    """The validation report's files: its JSON (``out_path``, written) and the accuracy plot beside it, when drawn."""
     from tasks.report.plots import accuracy_plot
 
+    files = {"validation": out_path}
     plot = accuracy_plot(report, out_path.with_name("accuracy.png"))  # kept with the verdict (a cached one needs no redraw)
     if plot:
         files["accuracy_plot"] = plot
-    result = StageResult(files=files, metrics=metrics, details=report)
-    gate(result, label=label or (None if callable(candidate) else str(candidate)), fix=fix)
-    return result
+    return files
 
 
 def verdict_text(metrics: dict, passed: bool, min_cosine: float, reference_label: str, samples: int, inputs: str,
