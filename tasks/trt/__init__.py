@@ -3,10 +3,10 @@ from tasks.common.exports import lazy
 
 __getattr__, __dir__, __all__ = lazy(__name__, {
     "Backend": "backend",
-    "Cuda": "runtime",
+    "Cuda": "cuda",
     "EngineRunner": "runtime",
     "backend_for_target": "backend",
-    "cuda_versions": "runtime",
+    "cuda_versions": "cuda",
     "describe": "network",
     "gpu_for": "backend",
     "host_gpus": "backend",

@@ -11,7 +11,9 @@ import pytest
 from tasks.trt.backend import gpu_for, host_gpus, no_gpu_reason
 from tasks.common.errors import StageError
 from tasks.onnxrt.ort import ort_run, ort_session
-from tasks.trt.runtime import TensorSpec, binding_unchanged, check_feed, choose_profile, cuda_versions, graph_binding, output_plan, runtime_cache_file
+from tasks.trt.cuda import cuda_versions
+from tasks.trt.runtime import runtime_cache_file
+from tasks.trt.tensors import TensorSpec, binding_unchanged, check_feed, choose_profile, graph_binding, output_plan
 
 RTX_CC = ("7.5", "8.0", "8.6", "8.9", "12.0", "12.1")
 
