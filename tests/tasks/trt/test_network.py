@@ -186,7 +186,7 @@ def test_a_graph_the_profile_cannot_parse_says_why_once_and_prints_nothing_itsel
             "except Exception as e:\n"
             "    print(e)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                       cwd=str(__import__("pathlib").Path(__file__).resolve().parents[2]))
+                       cwd=str(__import__("pathlib").Path(__file__).resolve().parents[3]))
     assert r.returncode == 0, r.stderr
     assert r.stderr == ""  # nothing of TensorRT's own on the terminal
     first = r.stdout.splitlines()[0]
