@@ -124,7 +124,7 @@ def plan_from_onnx(onnx_path: Path, partition_cfg: Any, backend: Backend, out_di
         boundaries = sum(len(s.inputs) for s in segments[1:])
         plan["boundary_tensors"] = boundaries
         if len(trt_segments) > FRAGMENTED:
-            from tasks.prequant.rewrite import DYNAMIC_OPS
+            from tasks.prequant.detect import DYNAMIC_OPS
 
             dynamic = sum(1 for i in fallback if nodes[i].op_type in DYNAMIC_OPS)
             plan["warnings"].append(

@@ -2,14 +2,14 @@
 from tasks.common.exports import lazy
 
 __getattr__, __dir__, __all__ = lazy(__name__, {
-    "accuracy_fix": "rewrite",
-    "dequantized_fix": "rewrite",
-    "dequantized_vs_shipped": "rewrite",
-    "describe": "rewrite",
+    "accuracy_fix": "fixes",
+    "dequantized_fix": "fixes",
+    "dequantized_vs_shipped": "fixes",
+    "describe": "detect",
     "float_weights": "weight_only",
     "keep_weight_scales": "weight_only",
-    "precision_for": "rewrite",
-    "quantization_of": "rewrite",
+    "precision_for": "detect",
+    "quantization_of": "detect",
     "trt_from_prequantized": "rewrite",
     "weight_only_model": "weight_only",
     "weight_only_note": "weight_only",

@@ -17,12 +17,15 @@ the model's own int8 codes and scales back where a layer's weight was quantized 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
 from tasks.graph.edit import links, prune_unused, unique_name
 from tasks.graph.load import opset_of
+from tasks.prequant.detect import DYNAMIC_OPS
 
 INT_TYPES = {TensorProto.INT8: (-128, 127), TensorProto.UINT8: (0, 255), TensorProto.INT4: (-8, 7),
              TensorProto.UINT4: (0, 15)}
@@ -71,106 +74,51 @@ def _output_axis(node: onnx.NodeProto, ndim: int) -> int | None:
     return None
 
 
+@dataclass
+class _CastChain:
+    """An integer constant -> Cast -> [Sub(z)] -> Mul(s) [-> Sub(z s)] [-> Transpose] of a graph."""
+    src: str  # the integer constant
+    q: np.ndarray  # its values
+    to: int  # the float type the Cast makes
+    nodes: list  # the chain's nodes, the Cast first
+    out: str  # the tensor the chain computes: the float weight its readers read
+    scale: np.ndarray
+    zp: np.ndarray | None = None
+    shift: np.ndarray | None = None
+    perm: list[int] | None = None
+
+
 def dequantize_cast_weights(model: onnx.ModelProto) -> dict:
     """Rewrite every integer constant -> Cast -> [Sub(z)] -> Mul(s) [-> Sub(z s)] [-> Transpose] of ``model`` in place
     (module doc). Returns {"weight_only": {weight: {"as", "dtype", "axis"?, "reason"?}}, "dequantize_linear": n,
     "folded": n}; empty counts when the model has none."""
     g = model.graph
     inits = {t.name: t for t in g.initializer}
-    producers, readers = links(g)
+    _, readers = links(g)
     outputs = {o.name for o in g.output}
     taken = set(inits) | {o for n in g.node for o in n.output} | {i.name for i in g.input}
     per_channel_ok = opset_of(model) >= 13
     found: dict[str, dict] = {}
     for cast in [n for n in g.node if n.op_type == "Cast"]:
-        src = cast.input[0]
-        to = next((a.i for a in cast.attribute if a.name == "to"), None)
-        if src not in inits or inits[src].data_type not in INT_TYPES or to not in FLOAT_TYPES:
+        chain = _cast_chain(cast, inits, readers, outputs)
+        if chain is None:
             continue
-        q = numpy_helper.to_array(inits[src])
-        chain, cur = [cast], cast.output[0]
-        zp = shift = scale = None
-        r = _sole_reader(cur, readers, outputs)
-        if r is not None and r.op_type == "Sub" and r.input[0] == cur and _const(r.input[1], inits) is not None:
-            zp, chain, cur = _const(r.input[1], inits), chain + [r], r.output[0]
-            r = _sole_reader(cur, readers, outputs)
-        if r is None or r.op_type != "Mul" or _other(r, cur) is None or _const(_other(r, cur), inits) is None:
-            continue  # no scale: an integer constant used as float, not a quantized weight
-        scale, chain, cur = _const(_other(r, cur), inits), chain + [r], r.output[0]
-        r = _sole_reader(cur, readers, outputs)
-        if zp is None and r is not None and r.op_type == "Sub" and r.input[0] == cur \
-                and _const(r.input[1], inits) is not None:
-            shift, chain, cur = _const(r.input[1], inits), chain + [r], r.output[0]
-            r = _sole_reader(cur, readers, outputs)
-        perm = None
-        if r is not None and r.op_type == "Transpose":
-            perm = next((list(a.ints) for a in r.attribute if a.name == "perm"), list(range(q.ndim))[::-1])
-            chain, cur = chain + [r], r.output[0]
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(to)
-        # the float weight exactly as the graph computes it (each op in the output type)
-        w = q.astype(dtype)
-        if zp is not None:
-            w = w - zp.astype(dtype)
-        w = w * scale.astype(dtype)
-        if shift is not None:
-            w = w - shift.astype(dtype)
-        if perm is not None:
-            w = np.transpose(w, perm)
-        # the same as int8 codes, a scale and an axis, when it is one (zero point folded into the codes exactly)
-        how, axis = _channel_axis(scale, q.shape)
-        z = np.zeros(1) if zp is None else zp.astype(np.float64)
-        if shift is not None:
-            with np.errstate(divide="ignore", invalid="ignore"):
-                z = shift.astype(np.float64) / scale.astype(np.float64)
-        zhow, zaxis = _channel_axis(np.asarray(z), q.shape)
-        reason = None
-        codes = None
-        if how == "other" or (zhow == "channel" and (how, axis) != (zhow, zaxis)) or zhow == "other":
-            reason = "its scale is neither per tensor nor per channel"
-        elif not np.all(np.isfinite(z)) or np.any(np.abs(z - np.round(z)) > 1e-3):
-            reason = "its zero point is not an integer"
-        else:  # (q - z) * s = (q - z as one integer) * s: exact whenever q - z fits int8, whatever z was
-            zint = np.round(z).astype(np.int32)
-            if np.ndim(zint):
-                zint = zint.reshape((1,) * (q.ndim - zint.ndim) + zint.shape)
-            codes = q.astype(np.int32) - zint
-            if codes.min() < -128 or codes.max() > 127:
-                reason, codes = "its values less the zero point do not fit int8", None
+        cur = chain.out
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(chain.to)
+        w = _float_weight(chain, dtype)
+        codes, reason, how, axis = _int8_codes(chain)
         consumers = readers.get(cur, [])
-        layer_axes = {(_output_axis(c, w.ndim) if c.input[1:2] == [cur] and c.op_type in LAYERS else
-                       0 if _gathers_rows(c, cur) else "no") for c in consumers}
-        if codes is not None and (not consumers or cur in outputs or "no" in layer_axes or None in layer_axes):
-            reason, codes = "it is not only a Conv/MatMul/Gemm weight or an embedding table", None
-        new_axis = None
-        if codes is not None and how == "channel":
-            new_axis = perm.index(axis) if perm is not None else axis
-            if layer_axes != {new_axis}:
-                reason, codes = "its scale is per input channel, not per output channel (or per row of a table)", None
-            elif not per_channel_ok:
-                reason, codes = "per-channel DequantizeLinear needs opset 13", None
+        codes, reason, new_axis = _fit_layers(chain, codes, reason, how, axis, consumers, outputs, w.ndim, per_channel_ok)
         weight = cur
+        stored = TensorProto.DataType.Name(inits[chain.src].data_type).lower()
         if codes is None:
             name = unique_name(f"{cur}_float", taken)
             taken.add(name)
             g.initializer.append(numpy_helper.from_array(w.astype(dtype), name))
-            found[weight] = {"as": "float", "dtype": TensorProto.DataType.Name(inits[src].data_type).lower(),
-                             "reason": reason}
+            found[weight] = {"as": "float", "dtype": stored, "reason": reason}
         else:
-            c = codes.astype(np.int8)
-            if perm is not None:
-                c = np.transpose(c, perm)
-            s = scale.astype(dtype).ravel() if how == "channel" else scale.astype(dtype).reshape(())
-            names = [unique_name(f"{cur}_{k}", taken) for k in ("int8", "scale", "zero_point")]
-            taken.update(names)
-            g.initializer.extend([numpy_helper.from_array(c, names[0]), numpy_helper.from_array(s, names[1]),
-                                  numpy_helper.from_array(np.zeros(s.shape, np.int8), names[2])])
-            attrs = {"axis": new_axis} if new_axis is not None else {}
-            dq = onnx.helper.make_node("DequantizeLinear", names, [unique_name(f"{cur}_dq", taken)],
-                                       name=unique_name(f"{cur}_dequantize", taken), **attrs)
-            taken.update([dq.output[0], dq.name])
-            g.node.insert(list(g.node).index(chain[-1]) + 1, dq)
-            name = dq.output[0]
-            found[weight] = {"as": "dequantize_linear", "dtype": TensorProto.DataType.Name(inits[src].data_type).lower(),
+            name = _insert_dequantize_linear(g, chain, codes, how, dtype, new_axis, taken)
+            found[weight] = {"as": "dequantize_linear", "dtype": stored,
                              **({"axis": new_axis} if new_axis is not None else {})}
         for c in consumers:
             for k, x in enumerate(c.input):
@@ -181,6 +129,115 @@ def dequantize_cast_weights(model: onnx.ModelProto) -> dict:
         del g.value_info[:]  # the weights' producers changed: inferred again by whoever needs them
     return {"weight_only": found, "dequantize_linear": sum(v["as"] == "dequantize_linear" for v in found.values()),
             "folded": sum(v["as"] == "float" for v in found.values())}
+
+
+def _cast_chain(cast: onnx.NodeProto, inits: dict, readers: dict, outputs: set[str]) -> _CastChain | None:
+    """The chain from an integer constant through ``cast`` to the float weight, or None when ``cast`` reads no integer
+    constant or no scale follows it (an integer constant used as float, not a quantized weight)."""
+    src = cast.input[0]
+    to = next((a.i for a in cast.attribute if a.name == "to"), None)
+    if src not in inits or inits[src].data_type not in INT_TYPES or to not in FLOAT_TYPES:
+        return None
+    q = numpy_helper.to_array(inits[src])
+    chain, cur = [cast], cast.output[0]
+    zp = shift = scale = None
+    r = _sole_reader(cur, readers, outputs)
+    if r is not None and r.op_type == "Sub" and r.input[0] == cur and _const(r.input[1], inits) is not None:
+        zp, chain, cur = _const(r.input[1], inits), chain + [r], r.output[0]
+        r = _sole_reader(cur, readers, outputs)
+    if r is None or r.op_type != "Mul" or _other(r, cur) is None or _const(_other(r, cur), inits) is None:
+        return None  # no scale: an integer constant used as float, not a quantized weight
+    scale, chain, cur = _const(_other(r, cur), inits), chain + [r], r.output[0]
+    r = _sole_reader(cur, readers, outputs)
+    if zp is None and r is not None and r.op_type == "Sub" and r.input[0] == cur \
+            and _const(r.input[1], inits) is not None:
+        shift, chain, cur = _const(r.input[1], inits), chain + [r], r.output[0]
+        r = _sole_reader(cur, readers, outputs)
+    perm = None
+    if r is not None and r.op_type == "Transpose":
+        perm = next((list(a.ints) for a in r.attribute if a.name == "perm"), list(range(q.ndim))[::-1])
+        chain, cur = chain + [r], r.output[0]
+    return _CastChain(src, q, to, chain, cur, scale, zp, shift, perm)
+
+
+def _float_weight(chain: _CastChain, dtype) -> np.ndarray:
+    """The float weight exactly as the graph computes it (each op in the output type)."""
+    w = chain.q.astype(dtype)
+    if chain.zp is not None:
+        w = w - chain.zp.astype(dtype)
+    w = w * chain.scale.astype(dtype)
+    if chain.shift is not None:
+        w = w - chain.shift.astype(dtype)
+    if chain.perm is not None:
+        w = np.transpose(w, chain.perm)
+    return w
+
+
+def _int8_codes(chain: _CastChain) -> tuple[np.ndarray | None, str | None, str, int | None]:
+    """The same weight as int8 codes (the zero point folded into them exactly) with how its scale broadcasts:
+    (codes or None, why not, "tensor"/"channel"/"other", axis)."""
+    q, zp, scale, shift = chain.q, chain.zp, chain.scale, chain.shift
+    how, axis = _channel_axis(scale, q.shape)
+    z = np.zeros(1) if zp is None else zp.astype(np.float64)
+    if shift is not None:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            z = shift.astype(np.float64) / scale.astype(np.float64)
+    zhow, zaxis = _channel_axis(np.asarray(z), q.shape)
+    reason = None
+    codes = None
+    if how == "other" or (zhow == "channel" and (how, axis) != (zhow, zaxis)) or zhow == "other":
+        reason = "its scale is neither per tensor nor per channel"
+    elif not np.all(np.isfinite(z)) or np.any(np.abs(z - np.round(z)) > 1e-3):
+        reason = "its zero point is not an integer"
+    else:  # (q - z) * s = (q - z as one integer) * s: exact whenever q - z fits int8, whatever z was
+        zint = np.round(z).astype(np.int32)
+        if np.ndim(zint):
+            zint = zint.reshape((1,) * (q.ndim - zint.ndim) + zint.shape)
+        codes = q.astype(np.int32) - zint
+        if codes.min() < -128 or codes.max() > 127:
+            reason, codes = "its values less the zero point do not fit int8", None
+    return codes, reason, how, axis
+
+
+def _fit_layers(chain: _CastChain, codes, reason, how: str, axis, consumers: list, outputs: set[str], ndim: int,
+                per_channel_ok: bool) -> tuple[np.ndarray | None, str | None, int | None]:
+    """Whether the int8 codes can stand as the weight TensorRT's layers read: only Conv/MatMul/Gemm weights or embedding
+    tables, scaled per output channel (or per row of a table). Returns (codes or None, why not, the axis of a
+    per-channel scale in the layer's weight)."""
+    cur, perm = chain.out, chain.perm
+    layer_axes = {(_output_axis(c, ndim) if c.input[1:2] == [cur] and c.op_type in LAYERS else
+                   0 if _gathers_rows(c, cur) else "no") for c in consumers}
+    if codes is not None and (not consumers or cur in outputs or "no" in layer_axes or None in layer_axes):
+        reason, codes = "it is not only a Conv/MatMul/Gemm weight or an embedding table", None
+    new_axis = None
+    if codes is not None and how == "channel":
+        new_axis = perm.index(axis) if perm is not None else axis
+        if layer_axes != {new_axis}:
+            reason, codes = "its scale is per input channel, not per output channel (or per row of a table)", None
+        elif not per_channel_ok:
+            reason, codes = "per-channel DequantizeLinear needs opset 13", None
+    return codes, reason, new_axis
+
+
+def _insert_dequantize_linear(g: onnx.GraphProto, chain: _CastChain, codes: np.ndarray, how: str, dtype,
+                              new_axis: int | None, taken: set[str]) -> str:
+    """int8 codes, scale and zero point 0 as initializers and a DequantizeLinear of them after the chain. Returns the
+    DequantizeLinear's output."""
+    cur, perm, scale = chain.out, chain.perm, chain.scale
+    c = codes.astype(np.int8)
+    if perm is not None:
+        c = np.transpose(c, perm)
+    s = scale.astype(dtype).ravel() if how == "channel" else scale.astype(dtype).reshape(())
+    names = [unique_name(f"{cur}_{k}", taken) for k in ("int8", "scale", "zero_point")]
+    taken.update(names)
+    g.initializer.extend([numpy_helper.from_array(c, names[0]), numpy_helper.from_array(s, names[1]),
+                          numpy_helper.from_array(np.zeros(s.shape, np.int8), names[2])])
+    attrs = {"axis": new_axis} if new_axis is not None else {}
+    dq = onnx.helper.make_node("DequantizeLinear", names, [unique_name(f"{cur}_dq", taken)],
+                               name=unique_name(f"{cur}_dequantize", taken), **attrs)
+    taken.update([dq.output[0], dq.name])
+    g.node.insert(list(g.node).index(chain.nodes[-1]) + 1, dq)
+    return dq.output[0]
 
 
 def _gathers_rows(node: onnx.NodeProto, table: str) -> bool:
@@ -315,6 +372,5 @@ def weight_only_model(model: onnx.ModelProto) -> bool:
     g = model.graph
     dqs = [n for n in g.node if n.op_type == "DequantizeLinear"]
     activations = any(n.op_type == "QuantizeLinear" or n.op_type.startswith("QLinear") or n.op_type == "QGemm"
-                      or n.op_type in ("DynamicQuantizeLinear", "ConvInteger", "MatMulInteger", "DynamicQuantizeLSTM")
-                      for n in g.node)
+                      or n.op_type in DYNAMIC_OPS for n in g.node)
     return bool(dqs) and not activations and len(weight_only_dqs(g)) == len(dqs)

@@ -41,7 +41,8 @@ def onnx_from_model(model_cfg: Any, profiles: list[dict], out_path: Path, search
     from tasks.graph.specialise import specialise
     import onnx
 
-    from tasks.prequant.rewrite import quantization_of, trt_from_prequantized
+    from tasks.prequant.detect import quantization_of
+    from tasks.prequant.rewrite import trt_from_prequantized
     from tasks.prequant.weight_only import dequantize_cast_weights, has_cast_weights, weight_only_note
 
     out_path.parent.mkdir(parents=True, exist_ok=True)

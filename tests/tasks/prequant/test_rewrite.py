@@ -10,7 +10,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from tasks.prequant.rewrite import _dequantize, accuracy_fix, describe, quantization_of, trt_from_prequantized
+from tasks.prequant.detect import describe, quantization_of
+from tasks.prequant.fixes import accuracy_fix
+from tasks.prequant.qdq import dequantize
+from tasks.prequant.rewrite import trt_from_prequantized
 from tasks.onnxrt.ort import ort_run, ort_session
 from tests.conftest import TINY_PROFILE, make_conv_model
 
@@ -140,7 +143,7 @@ def test_folded_constants_are_what_onnx_runtime_dequantizes(attrs, scale_shape):
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
     m.ir_version = 10
     ref = exact_run(m.SerializeToString(), {})
-    assert np.array_equal(ref, _dequantize(dq, inits))
+    assert np.array_equal(ref, dequantize(dq, inits))
 
 
 @pytest.mark.parametrize("dtype,zp", [(np.uint8, 0), (np.uint8, 37), (np.uint8, 200), (np.int8, -20), (np.int8, 90)])
