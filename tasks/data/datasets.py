@@ -22,115 +22,21 @@ Sets made from a recipe or at random are made lazily (``DataSet.feeds``); ``key`
 from __future__ import annotations
 
 import hashlib
-import json
 import math
-from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
+from tasks.data.inputs import batch_size, calibration_shapes, generated_feeds, heldout_shapes, split_batches
+from tasks.data.sets import DataSet, DataSplit, Feed, UserData
 from tasks.common.errors import ConfigError
-from tasks.data.inputs import DataRecord, batch_size, calibration_shapes, generated_feeds, heldout_shapes, split_batches
 from tasks.graph.models import TensorInfo
 from tasks.data.profiles import ShapeRules
 from tasks.data.samples import GENERATOR_VERSION, list_images
 
-Feed = dict[str, np.ndarray]
 HOLD_OUT_SHARE = 0.25  # of the user's samples, for validation, and again for the search
 MAX_VALIDATION = 64  # samples held out for validation at most
 MAX_SEARCH = 8  # samples held out for the accuracy search at most (each candidate runs on all of them)
 SEARCH_RANDOM_SHAPES = 5  # generated search set: min, opt, max and this many random shapes (8 samples, as MAX_SEARCH)
-MIN_EVIDENCE = 5  # a validation on fewer samples says its evidence is thin
-
-
-@dataclass
-class DataSet:
-    purpose: str  # calibration | search | validation
-    kind: str  # file | images | synthetic | random
-    source: str  # in words, for summary.json and the report
-    key: dict  # what the content depends on (part of the stages' cache keys)
-    make: Callable[[], list[Feed]] | None = None
-    notes: list[str] = field(default_factory=list)
-    files: list[dict] = field(default_factory=list)  # the user's files (and their sha256) or image files this set read
-    _feeds: list[Feed] | None = None
-    _known: dict | None = None  # record() of this content, kept by a stage that made it (see remember)
-
-    @property
-    def feeds(self) -> list[Feed]:
-        if self._feeds is None:
-            self._feeds = self.make() if self.make else []
-        return self._feeds
-
-    @property
-    def made(self) -> bool:
-        return self._feeds is not None
-
-    @property
-    def samples(self) -> int:
-        return self._known["samples"] if self._feeds is None and self._known else sum(batch_size(f) for f in self.feeds)
-
-    def fingerprint(self) -> str:
-        """What the content depends on, hashed (the key names it whole: seeds, shapes, generator, files' sha256)."""
-        return hashlib.sha256(json.dumps([self.purpose, self.key], sort_keys=True, default=str).encode()).hexdigest()
-
-    def remember(self, known: dict) -> None:
-        """A record of this set kept by a cached stage ({"fingerprint", "record"}): summary.json's figures without
-        making the data again (rendering a model's images takes seconds), taken only when the content is the same."""
-        if self._feeds is None and known.get("fingerprint") == self.fingerprint():
-            self._known = known["record"]
-
-    @property
-    def thin(self) -> list[str]:
-        """Why this set is weak evidence for a verdict (empty when it is not)."""
-        why = []
-        if self.kind == "random":
-            why.append("random inputs inside the profiles: the verdict says nothing about real inputs "
-                       "(give validation.data, calibration.data or model.images)")
-        if self.samples < MIN_EVIDENCE:
-            why.append(f"only {self.samples} samples")
-        return why
-
-    def record(self) -> dict:
-        if self._feeds is None and self._known is not None:
-            return self._known
-        rec = DataRecord.of(self.feeds, self.kind, files=self.files, notes=list(self.notes))
-        return {"samples": rec.samples, "feeds": rec.feeds, "source": self.source, "kind": self.kind,
-                "shapes": rec.shapes, **({"files": self.files} if self.files else {}),
-                **({"notes": self.notes} if self.notes else {})}
-
-
-@dataclass
-class DataSplit:
-    calibration: DataSet | None = None
-    search: DataSet | None = None
-    validation: DataSet | None = None
-    notes: list[str] = field(default_factory=list)
-
-    def summary(self) -> dict:
-        """summary.json ``data``: one entry per set that exists."""
-        return {s.purpose: s.record() for s in self.sets()}
-
-    def sets(self) -> list[DataSet]:
-        return [s for s in (self.calibration, self.search, self.validation) if s is not None]
-
-    def made_records(self) -> dict:
-        """{purpose: {"fingerprint", "record"}} of the sets made so far: what a stage keeps with its result."""
-        return {s.purpose: {"fingerprint": s.fingerprint(), "record": s.record()} for s in self.sets() if s.made}
-
-    def remember(self, records: dict) -> None:
-        for s in self.sets():
-            if s.purpose in records:
-                s.remember(records[s.purpose])
-
-
-@dataclass
-class UserData:
-    """Arrays the user gave (calibration.data or validation.data), loaded and checked by tasks.data.inputs.load_data."""
-    key: str  # the config key
-    path: str
-    sha256: str
-    feeds: list[Feed]
-    files: list[dict]
 
 
 def split_data(*, inputs: list[TensorInfo], profiles: list[dict], rules: ShapeRules, calibrate: bool, search: bool,
@@ -146,90 +52,16 @@ def split_data(*, inputs: list[TensorInfo], profiles: list[dict], rules: ShapeRu
         split.validation = _from_user(validation_data, "validation", validation_data.feeds, inputs, profiles)
 
     if calibrate and calibration_data is not None:
-        units = _units(calibration_data.feeds, profiles)
-        order = list(np.random.default_rng(seed).permutation(len(units)))
-        n = len(units)
-        n_val = min(MAX_VALIDATION, math.ceil(n * HOLD_OUT_SHARE)) if validate and split.validation is None else 0
-        n_search = min(MAX_SEARCH, math.ceil(n * HOLD_OUT_SHARE)) if search else 0
-        if n - n_val - n_search < 1:  # too few: validation first (it gates), then the search
-            n_search = max(0, n - n_val - 1) if n_val else max(0, n - 1)
-            n_val = min(n_val, max(0, n - 1))
-            n_search = min(n_search, max(0, n - n_val - 1))
-        val_idx, search_idx = order[:n_val], order[n_val:n_val + n_search]
-        cal_idx = order[n_val + n_search:]
-        cal_units = _cap([units[i] for i in sorted(cal_idx)], calibration_samples)
-        split.calibration = _from_user(calibration_data, "calibration", _batches(cal_units, inputs, profiles),
-                                       inputs, profiles, held=(n_val, n_search))
-        if n_search:
-            split.search = _from_user(calibration_data, "search", _batches([units[i] for i in sorted(search_idx)],
-                                                                             inputs, profiles), inputs, profiles)
-        elif search:
-            split.notes.append(f"calibration.data holds {n} samples: too few to hold any out for the accuracy search, "
-                               "which judges on the calibration samples themselves")
-        if n_val:
-            split.validation = _from_user(calibration_data, "validation", _batches([units[i] for i in sorted(val_idx)],
-                                                                                 inputs, profiles), inputs, profiles)
-        elif validate and split.validation is None:
-            split.notes.append(f"calibration.data holds {n} samples: too few to hold any out for validation "
-                               "(give validation.data=... for a check on real inputs)")
+        _hold_out_of_user_data(split, calibration_data, inputs, profiles, search, validate, calibration_samples, seed)
     elif calibrate:  # the model's images, or random inputs
-        files = gen.image_files()
-        if files is not None:
-            n = len(files)
-            n_val = math.ceil(n * HOLD_OUT_SHARE) if validate and split.validation is None and n >= 3 else 0
-            n_search = math.ceil(n * HOLD_OUT_SHARE) if search and n >= 3 else 0
-            order = [files[i] for i in np.random.default_rng(seed).permutation(n)]
-            val_files, search_files, cal_files = order[:n_val], order[n_val:n_val + n_search], order[n_val + n_search:]
-            split.calibration = gen.calibration(calibration_samples, cal_files)
-            if n_search:
-                split.search = gen.search(search_files)
-            elif search:
-                split.notes.append(f"model.images.source holds {n} images: too few to hold any out for the accuracy "
-                                   "search, which judges on the calibration images themselves")
-            if n_val:
-                split.validation = gen.validation(validation_samples, validation_seed, val_files)
-            elif validate and split.validation is None:
-                split.notes.append(f"model.images.source holds {n} images: too few to hold any out for validation")
-        else:
-            split.calibration = gen.calibration(calibration_samples)
-            if search:
-                split.search = gen.search()
+        _hold_out_of_generated(split, gen, search, validate, calibration_samples, validation_samples,
+                               validation_seed, seed)
 
     elif search:  # a build that does not calibrate (fp16) but searches: its own held-out samples, none validates
         if calibration_data is not None:
-            units = _units(calibration_data.feeds, profiles)
-            n = len(units)
-            order = list(np.random.default_rng(seed).permutation(n))
-            own_validation = not validate or split.validation is not None
-            n_search = min(MAX_SEARCH, n if own_validation else math.ceil(n * HOLD_OUT_SHARE)) \
-                if own_validation or n >= 2 else 0
-            if n_search:
-                split.search = _from_user(calibration_data, "search", _batches(
-                    [units[i] for i in sorted(order[:n_search])], inputs, profiles), inputs, profiles,
-                    held=(0, n_search) if not own_validation else (0, 0))
-                if not own_validation:
-                    split.validation = _from_user(
-                        calibration_data, "validation", _batches([units[i] for i in sorted(order[n_search:])], inputs,
-                                                                 profiles), inputs, profiles, held=(n - n_search, 0),
-                        notes=["the build does not calibrate: the calibration data validates it, less the samples "
-                               "held out for the fp16 accuracy search"])
-            else:
-                split.search = gen.search()
-                split.notes.append(f"calibration.data holds {n} sample: too few to hold one out for the fp16 accuracy "
-                                   "search, which judges on generated inputs")
+            _search_of_user_data(split, calibration_data, gen, inputs, profiles, validate, seed)
         else:
-            files = gen.image_files()
-            if files is not None and len(files) >= 3 and validate and split.validation is None:
-                n = len(files)
-                order = [files[i] for i in np.random.default_rng(seed).permutation(n)]
-                n_search = math.ceil(n * HOLD_OUT_SHARE)
-                split.search = gen.search(order[:n_search])
-                split.validation = gen.validation(validation_samples, validation_seed, order[n_search:])
-            elif files is None:  # rendered pages or random inputs, from seeds of their own
-                split.search = gen.search()
-            else:
-                split.notes.append(f"model.images.source holds {len(files)} images: too few to hold any out for the "
-                                   "fp16 accuracy search, which does not run")
+            _search_of_generated(split, gen, validate, validation_samples, validation_seed, seed)
 
     if validate and split.validation is None:
         if not calibrate and calibration_data is not None:
@@ -241,6 +73,109 @@ def split_data(*, inputs: list[TensorInfo], profiles: list[dict], rules: ShapeRu
     if split.validation is not None:
         split.validation.notes += split.notes
     return split
+
+
+def _hold_out_of_user_data(split: DataSplit, calibration_data: UserData, inputs: list[TensorInfo],
+                           profiles: list[dict], search: bool, validate: bool, calibration_samples: int,
+                           seed: int) -> None:
+    """A build that calibrates on the user's data: its samples held out for validation and the search, the rest
+    calibrates; the notes say what is too few to hold out."""
+    units = _units(calibration_data.feeds, profiles)
+    order = list(np.random.default_rng(seed).permutation(len(units)))
+    n = len(units)
+    n_val = min(MAX_VALIDATION, math.ceil(n * HOLD_OUT_SHARE)) if validate and split.validation is None else 0
+    n_search = min(MAX_SEARCH, math.ceil(n * HOLD_OUT_SHARE)) if search else 0
+    if n - n_val - n_search < 1:  # too few: validation first (it gates), then the search
+        n_search = max(0, n - n_val - 1) if n_val else max(0, n - 1)
+        n_val = min(n_val, max(0, n - 1))
+        n_search = min(n_search, max(0, n - n_val - 1))
+    val_idx, search_idx = order[:n_val], order[n_val:n_val + n_search]
+    cal_idx = order[n_val + n_search:]
+    cal_units = _cap([units[i] for i in sorted(cal_idx)], calibration_samples)
+    split.calibration = _from_user(calibration_data, "calibration", _batches(cal_units, inputs, profiles),
+                                   inputs, profiles, held=(n_val, n_search))
+    if n_search:
+        split.search = _from_user(calibration_data, "search", _batches([units[i] for i in sorted(search_idx)],
+                                                                         inputs, profiles), inputs, profiles)
+    elif search:
+        split.notes.append(f"calibration.data holds {n} samples: too few to hold any out for the accuracy search, "
+                           "which judges on the calibration samples themselves")
+    if n_val:
+        split.validation = _from_user(calibration_data, "validation", _batches([units[i] for i in sorted(val_idx)],
+                                                                             inputs, profiles), inputs, profiles)
+    elif validate and split.validation is None:
+        split.notes.append(f"calibration.data holds {n} samples: too few to hold any out for validation "
+                           "(give validation.data=... for a check on real inputs)")
+
+
+def _hold_out_of_generated(split: DataSplit, gen: "_Generated", search: bool, validate: bool, calibration_samples: int,
+                           validation_samples: int, validation_seed: int, seed: int) -> None:
+    """A build that calibrates on the model's images (a folder split by file) or on rendered pages or random inputs."""
+    files = gen.image_files()
+    if files is not None:
+        n = len(files)
+        n_val = math.ceil(n * HOLD_OUT_SHARE) if validate and split.validation is None and n >= 3 else 0
+        n_search = math.ceil(n * HOLD_OUT_SHARE) if search and n >= 3 else 0
+        order = [files[i] for i in np.random.default_rng(seed).permutation(n)]
+        val_files, search_files, cal_files = order[:n_val], order[n_val:n_val + n_search], order[n_val + n_search:]
+        split.calibration = gen.calibration(calibration_samples, cal_files)
+        if n_search:
+            split.search = gen.search(search_files)
+        elif search:
+            split.notes.append(f"model.images.source holds {n} images: too few to hold any out for the accuracy "
+                               "search, which judges on the calibration images themselves")
+        if n_val:
+            split.validation = gen.validation(validation_samples, validation_seed, val_files)
+        elif validate and split.validation is None:
+            split.notes.append(f"model.images.source holds {n} images: too few to hold any out for validation")
+    else:
+        split.calibration = gen.calibration(calibration_samples)
+        if search:
+            split.search = gen.search()
+
+
+def _search_of_user_data(split: DataSplit, calibration_data: UserData, gen: "_Generated", inputs: list[TensorInfo],
+                         profiles: list[dict], validate: bool, seed: int) -> None:
+    """A build that does not calibrate but searches (fp16), on the user's data: the search's samples held out, the
+    rest validates unless validation has data of its own."""
+    units = _units(calibration_data.feeds, profiles)
+    n = len(units)
+    order = list(np.random.default_rng(seed).permutation(n))
+    own_validation = not validate or split.validation is not None
+    n_search = min(MAX_SEARCH, n if own_validation else math.ceil(n * HOLD_OUT_SHARE)) \
+        if own_validation or n >= 2 else 0
+    if n_search:
+        split.search = _from_user(calibration_data, "search", _batches(
+            [units[i] for i in sorted(order[:n_search])], inputs, profiles), inputs, profiles,
+            held=(0, n_search) if not own_validation else (0, 0))
+        if not own_validation:
+            split.validation = _from_user(
+                calibration_data, "validation", _batches([units[i] for i in sorted(order[n_search:])], inputs,
+                                                         profiles), inputs, profiles, held=(n - n_search, 0),
+                notes=["the build does not calibrate: the calibration data validates it, less the samples "
+                       "held out for the fp16 accuracy search"])
+    else:
+        split.search = gen.search()
+        split.notes.append(f"calibration.data holds {n} sample: too few to hold one out for the fp16 accuracy "
+                           "search, which judges on generated inputs")
+
+
+def _search_of_generated(split: DataSplit, gen: "_Generated", validate: bool, validation_samples: int,
+                         validation_seed: int, seed: int) -> None:
+    """A build that does not calibrate but searches (fp16), on the model's images (a folder split by file), rendered
+    pages or random inputs."""
+    files = gen.image_files()
+    if files is not None and len(files) >= 3 and validate and split.validation is None:
+        n = len(files)
+        order = [files[i] for i in np.random.default_rng(seed).permutation(n)]
+        n_search = math.ceil(n * HOLD_OUT_SHARE)
+        split.search = gen.search(order[:n_search])
+        split.validation = gen.validation(validation_samples, validation_seed, order[n_search:])
+    elif files is None:  # rendered pages or random inputs, from seeds of their own
+        split.search = gen.search()
+    else:
+        split.notes.append(f"model.images.source holds {len(files)} images: too few to hold any out for the "
+                           "fp16 accuracy search, which does not run")
 
 
 # --- the user's arrays, sample by sample ----------------------------------------------------------------------
@@ -402,16 +337,4 @@ class _Generated:
 
 def _listed(files: list[str] | None) -> list[dict]:
     return [{"file": f.rsplit("/", 1)[-1]} for f in sorted(files)] if files else []
-
-
-def describe_thin(s: DataSet | None) -> str | None:
-    """One sentence for a verdict whose evidence is thin, or None."""
-    if s is None or not s.thin:
-        return None
-    return f"thin evidence: {'; '.join(s.thin)}"
-
-
-def as_user_data(key: str, loaded: tuple[list[Feed], DataRecord]) -> UserData:
-    feeds, rec = loaded
-    return UserData(key, rec.path or "", rec.sha256 or "", feeds, rec.files)
 

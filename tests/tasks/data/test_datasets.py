@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 
-from tasks.data.datasets import UserData, split_data
+from tasks.data.datasets import split_data
+from tasks.data.sets import UserData
 from tasks.common.errors import ConfigError
 from tasks.graph.models import TensorInfo
 from tasks.data.profiles import ShapeRules

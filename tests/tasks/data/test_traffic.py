@@ -10,7 +10,9 @@ import pytest
 from benchmarks.traffic_data import document_traffic
 from tasks.common.errors import ConfigError
 from tasks.graph.models import TensorInfo
-from tasks.data.traffic import TrafficDraws, inside, propose, read_traffic, serving, write_profiles, yaml_fragment
+from tasks.data.proposal import propose
+from tasks.data.proposal_report import write_profiles, yaml_fragment
+from tasks.data.traffic import TrafficDraws, inside, read_traffic, serving
 
 X = [TensorInfo("x", "float32", ["N", 3, "H", "W"])]
 
