@@ -109,7 +109,7 @@ def _network(path: Path, profile: dict, backend):
             for d, v in zip(dims, profile[inp.name]["opt"]):
                 d.Clear()
                 d.dim_value = int(v)
-    from tasks.trt.backend import unique
+    from tasks.trt.messages import unique
 
     # the backend's logger: nothing printed (TensorRT's own Logger writes its "cudaError 35" lines on a host without a
     # driver, and each parse error once per level it passes, to stderr), the causes kept once each
