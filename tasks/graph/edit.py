@@ -65,7 +65,6 @@ def name_allocator(g: onnx.GraphProto) -> Callable[[str], str]:
     return fresh
 
 
-
 def uniquify_node_names(g: onnx.GraphProto, seen: set[str] | None = None) -> None:
     # node_block_list matches by name and the converter derives Cast names
     # from node names, so every node needs a distinct, non-empty name
@@ -156,7 +155,6 @@ def rename_values(g: onnx.GraphProto, mapping: dict[str, str]) -> None:
             inner = {k: v for k, v in mapping.items() if k not in own}
             if inner:
                 rename_values(sub, inner)
-
 
 
 def prune_unused(g: onnx.GraphProto, ops: Iterable[str] | None = None,

@@ -22,6 +22,7 @@ def save_figure(fig, path: Path) -> Path:
     pyplot().close(fig)
     return path
 
+
 def accuracy_plot(validation: dict, path: Path) -> Path | None:
     """Per output and validation input: 1 - cosine and max/mean absolute error against the fp32 reference."""
     per_feed = validation.get("per_feed") or (validation.get("emulation") or {}).get("per_feed") or []

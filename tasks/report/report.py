@@ -44,6 +44,7 @@ def warnings_in(doc: Any, where: str = "") -> list[tuple[str, str]]:
             found += warnings_in(v, f"{where}[{i}]")
     return found
 
+
 def write_report(out_dir: Path) -> Path:
     """report.html in a result folder that holds summary.json and the stages' reports and plots (validate draws
     accuracy.png, benchmark latency.png: a cached stage brings its figure, nothing is drawn again)."""
@@ -201,6 +202,7 @@ def _quantization(s: dict, sens: dict | None, out_dir: Path) -> str:
     if (out_dir / "sensitivity.png").is_file():
         out += img(out_dir / "sensitivity.png", "sensitivity per layer (its own output error with only it quantized)")
     return out
+
 
 def _method_text(segment: dict) -> str:
     """"entropy", or "entropy; percentile range for 3 layers, minmax for 1" when the budget search switched some."""

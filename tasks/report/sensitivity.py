@@ -10,6 +10,7 @@ from tasks.report.plots import pyplot, save_figure
 
 GROWTH_ROWS = 60  # fp16 search: the nodes that add the most error, plotted (sensitivity.json lists every node)
 
+
 def sensitivity_report(segments: list[dict], d: Path) -> dict[str, Path]:
     """The per-layer sensitivity table (JSON) and a bar chart: each layer's local error (what restoring it gains, in
     reports of earlier builds)."""
@@ -45,7 +46,9 @@ def sensitivity_report(segments: list[dict], d: Path) -> dict[str, Path]:
         files["sensitivity_plot"] = save_figure(fig, d / "sensitivity.png")
     return files
 
+
 HELD_ROWS = 5  # layers kept in high precision shown, the most FLOPs first
+
 
 def held_back(segments: list[dict], top: int = 3) -> tuple[float, list[dict]] | None:
     """(the share of the layer FLOPs quantized, the ``top`` layers kept in high precision with the most FLOPs: node,

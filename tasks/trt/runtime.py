@@ -40,6 +40,7 @@ def runtime_cache_file(cache_dir: str | os.PathLike, target: str, backend_versio
     """Where TensorRT-RTX's runtime cache (kernels compiled on the GPU) is kept: one file per target and backend."""
     return Path(cache_dir).expanduser() / "runtime-cache" / target / f"{backend_version}.bin"
 
+
 class EngineRunner:
     """Executes a serialized engine on the GPU: one execution context, one stream; `close()` frees everything."""
 
