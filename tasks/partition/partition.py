@@ -2,11 +2,11 @@
 
 The TensorRT ONNX parser gives its verdict per node (`supports_model_v2`); supported subgraphs smaller than
 `partition.min_subgraph_size` and ops in `partition.exclude_ops` stay native; `partition.strict` fails instead of
-falling back. A fully supported model is one segment: the whole graph, one engine.
+falling back. A fully supported model is one segment: the whole graph, one engine. When a TensorRT build fails, the
+fallback (`build_fallback`) re-plans with what failed in ONNX Runtime.
 """
 from __future__ import annotations
 
-import re
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -15,6 +15,8 @@ import numpy as np
 
 from tasks.trt.backend import Backend
 from tasks.common.errors import StageError, cause
+from tasks.partition.draw import draw_partition
+from tasks.partition.narrow import refine
 from tasks.partition.segments import Segment, boundary_names, extract_segment, segments_from_assignment, shape_ranges
 from tasks.common.util import StageResult, write_json
 
@@ -30,19 +32,61 @@ def plan_from_onnx(onnx_path: Path, partition_cfg: Any, backend: Backend, out_di
     """
     import onnx
 
-    if callable(profile_feeds):
-        make_feeds = profile_feeds
-        profile_feeds = None
-
-    def feeds() -> list:
-        nonlocal profile_feeds
-        if profile_feeds is None:
-            profile_feeds = make_feeds()
-        return profile_feeds
-
+    feeds = _feeds_on_demand(profile_feeds)
     t0 = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)
     model = onnx.load(str(onnx_path))
+    nodes = model.graph.node
+    trt_nodes, reasons, parser_errors = _trt_nodes(model, onnx_path, partition_cfg, backend, feeds)
+    segments, hybrid = _segments(model, trt_nodes, reasons, partition_cfg)
+    fallback = [i for i in range(len(nodes)) if i not in trt_nodes]
+    fallback_nodes = [{"index": i, "name": nodes[i].name, "op": nodes[i].op_type,
+                       "domain": nodes[i].domain or "ai.onnx", "reason": reasons.get(i, ""),
+                       "inputs": [x for x in nodes[i].input if x], "outputs": list(nodes[i].output)} for i in fallback]
+    trt_segments = [s for s in segments if s.kind == "trt"]
+    files: dict[str, Path] = {}
+    plan: dict[str, Any] = {"nodes": len(nodes), "hybrid": hybrid, "fallback_nodes": fallback_nodes,
+                            "parser_errors": parser_errors, "warnings": []}
+    _check_plan(plan, segments, partition_cfg, onnx_path, out_dir)
+    if hybrid:
+        files.update(_write_segments(model, segments, feeds(), onnx_path, out_dir))
+        boundaries = sum(len(s.inputs) for s in segments[1:])
+        plan["boundary_tensors"] = boundaries
+        if len(trt_segments) > FRAGMENTED:
+            plan["warnings"].append(_fragmented(nodes, fallback, len(trt_segments), boundaries))
+    plan["segments"] = [s.as_dict() for s in segments]
+    write_json(out_dir / "partition.json", plan)
+    files["partition"] = out_dir / "partition.json"
+    if hybrid:  # a fully supported model is one green island: no picture needed
+        try:
+            files["graph"] = draw_partition(model, segments, out_dir / "partition.png")
+        except Exception as e:  # a picture is a nicety
+            plan["warnings"].append(f"no graph picture: {e}")
+    metrics = {"trt_subgraphs": len(trt_segments), "fallback_nodes": len(fallback),
+               "trt_nodes": len(trt_nodes), "partition_seconds": time.perf_counter() - t0}
+    return StageResult(files=files, metrics=metrics, details=plan)
+
+
+def _feeds_on_demand(profile_feeds: list | Callable[[], list]) -> Callable[[], list]:
+    """The profile feeds, made on first use when ``profile_feeds`` is the callable that makes them."""
+    if not callable(profile_feeds):
+        return lambda: profile_feeds
+    make_feeds, made = profile_feeds, None
+
+    def feeds() -> list:
+        nonlocal made
+        if made is None:
+            made = make_feeds()
+        return made
+
+    return feeds
+
+
+def _trt_nodes(model, onnx_path: Path, partition_cfg: Any, backend: Backend,
+               feeds: Callable[[], list]) -> tuple[set[int], dict[int, str], list]:
+    """The nodes TensorRT takes: the parser's supported subgraphs (each failing one narrowed down to the nodes that
+    fail) less excluded ops, nodes of other domains, nodes the build stage's fallback found and nodes that would cut at
+    a shape tensor. Returns (those node indices, why each other node runs natively, the parser's errors)."""
     nodes = model.graph.node
     with_parser = backend.support_report(Path(onnx_path).read_bytes(), str(onnx_path))
     reasons: dict[int, str] = {}
@@ -56,7 +100,6 @@ def plan_from_onnx(onnx_path: Path, partition_cfg: Any, backend: Backend, out_di
         reasons.setdefault(i, f"op {nodes[i].op_type} of domain {nodes[i].domain} runs in ONNX Runtime (TensorRT's parser reads "
                       f"ops by name only; add the domain to partition.trt_domains to let TensorRT take it)")
     trt_nodes: set[int] = set()
-    small: list[int] = []
     supported = [sg["nodes"] for sg in with_parser.subgraphs if sg["supported"]]
     unsupported = [sg["nodes"] for sg in with_parser.subgraphs if not sg["supported"]]
     if unsupported:  # the parser's subgraphs are coarse: narrow each failing one down to the nodes that fail
@@ -78,6 +121,14 @@ def plan_from_onnx(onnx_path: Path, partition_cfg: Any, backend: Backend, out_di
         elif i not in trt_nodes:
             reasons.setdefault(i, "outside every subgraph the TensorRT parser supports")
     native_shape_inputs(nodes, trt_nodes, reasons)
+    return trt_nodes, reasons, with_parser.errors
+
+
+def _segments(model, trt_nodes: set[int], reasons: dict[int, str], partition_cfg: Any) -> tuple[list[Segment], bool]:
+    """The segments of ``trt_nodes``, and whether the model is hybrid. In a hybrid model, TensorRT subgraphs smaller
+    than partition.min_subgraph_size stay native (Paddle's rule): they leave ``trt_nodes``, their reason recorded."""
+    nodes = model.graph.node
+    small: list[int] = []
     segments = segments_from_assignment(model, trt_nodes)
     hybrid = any(s.kind == "native" for s in segments)
     if hybrid:  # Paddle's min_subgraph_size: small TensorRT islands stay native
@@ -88,62 +139,57 @@ def plan_from_onnx(onnx_path: Path, partition_cfg: Any, backend: Backend, out_di
                 for i in s.nodes:
                     reasons[i] = f"in a TensorRT subgraph of {len(s.nodes)} nodes < partition.min_subgraph_size={min_size}"
         if small:
-            trt_nodes -= set(small)
+            trt_nodes.difference_update(small)
             native_shape_inputs(nodes, trt_nodes, reasons)
             segments = segments_from_assignment(model, trt_nodes)
-    fallback = [i for i in range(len(nodes)) if i not in trt_nodes]
-    fallback_nodes = [{"index": i, "name": nodes[i].name, "op": nodes[i].op_type,
-                       "domain": nodes[i].domain or "ai.onnx", "reason": reasons.get(i, ""),
-                       "inputs": [x for x in nodes[i].input if x], "outputs": list(nodes[i].output)} for i in fallback]
-    trt_segments = [s for s in segments if s.kind == "trt"]
-    files: dict[str, Path] = {}
-    plan: dict[str, Any] = {"nodes": len(nodes), "hybrid": hybrid, "fallback_nodes": fallback_nodes,
-                            "parser_errors": with_parser.errors, "warnings": []}
+    return segments, hybrid
+
+
+def _check_plan(plan: dict[str, Any], segments: list[Segment], partition_cfg: Any, onnx_path: Path,
+                out_dir: Path) -> None:
+    """StageError when TensorRT can take no node, or when partition.strict and some node would fall back, after
+    writing partition.json with the plan so far."""
+    fallback_nodes, n_nodes = plan["fallback_nodes"], plan["nodes"]
 
     def report_and_fail(msg: str, fix: str) -> None:
         plan["segments"] = [s.as_dict() for s in segments]
         write_json(out_dir / "partition.json", plan)
         shown = "; ".join(f"{f['name'] or '#' + str(f['index'])} ({f['op']}): {f['reason']}" for f in fallback_nodes[:4])
-        raise StageError(f"{msg}: {shown}" + (f" and {len(fallback) - 4} more" if len(fallback) > 4 else ""),
+        raise StageError(f"{msg}: {shown}" + (f" and {len(fallback_nodes) - 4} more" if len(fallback_nodes) > 4 else ""),
                          stage="partition", file=str(onnx_path), fix=fix)
 
-    if not trt_segments:
-        report_and_fail(f"TensorRT can take none of the {len(nodes)} nodes",
+    if not any(s.kind == "trt" for s in segments):
+        report_and_fail(f"TensorRT can take none of the {n_nodes} nodes",
                         "run this model with ONNX Runtime, or replace its unsupported ops")
-    if fallback and partition_cfg["strict"]:
-        report_and_fail(f"partition.strict=true and {len(fallback)} of {len(nodes)} nodes would fall back to ONNX Runtime",
+    if fallback_nodes and partition_cfg["strict"]:
+        report_and_fail(f"partition.strict=true and {len(fallback_nodes)} of {n_nodes} nodes would fall back to ONNX Runtime",
                         "set partition.strict=false to run them natively, or replace those ops")
-    if hybrid:
-        shapes = [_shape_ranges(model, boundary_names(segments), fs, onnx_path) for fs in feeds()]
-        for s in segments:
-            s.onnx = f"segment{s.index}.{s.kind}.onnx"
-            extract_segment(model, s, shapes[0], out_dir / s.onnx)
-            files[f"segment{s.index}"] = out_dir / s.onnx
-            if s.kind == "trt":
-                s.profiles = [{n: {k: sh[n][k] for k in ("min", "opt", "max")} for n in s.inputs} for sh in shapes]
-        boundaries = sum(len(s.inputs) for s in segments[1:])
-        plan["boundary_tensors"] = boundaries
-        if len(trt_segments) > FRAGMENTED:
-            from tasks.prequant.detect import DYNAMIC_OPS
 
-            dynamic = sum(1 for i in fallback if nodes[i].op_type in DYNAMIC_OPS)
-            plan["warnings"].append(
-                f"fragmented: {len(trt_segments)} TensorRT subgraphs and {boundaries} boundary tensors; each boundary is a "
-                "copy and a sync, so this can be slower than running natively (" + (
-                    f"{dynamic} of the native nodes are dynamic quantization, which TensorRT has no kernels for: "
-                    "model.dequantize_dynamic=true builds them as float layers in TensorRT" if dynamic else
-                    "raise partition.min_subgraph_size or replace the unsupported ops") + ")")
-    plan["segments"] = [s.as_dict() for s in segments]
-    write_json(out_dir / "partition.json", plan)
-    files["partition"] = out_dir / "partition.json"
-    if hybrid:  # a fully supported model is one green island: no picture needed
-        try:
-            files["graph"] = draw_partition(model, segments, out_dir / "partition.png")
-        except Exception as e:  # a picture is a nicety
-            plan["warnings"].append(f"no graph picture: {e}")
-    metrics = {"trt_subgraphs": len(trt_segments), "fallback_nodes": len(fallback),
-               "trt_nodes": len(trt_nodes), "partition_seconds": time.perf_counter() - t0}
-    return StageResult(files=files, metrics=metrics, details=plan)
+
+def _write_segments(model, segments: list[Segment], feeds: list, onnx_path: Path, out_dir: Path) -> dict[str, Path]:
+    """One fp32 ONNX per segment of a hybrid model, each TensorRT segment with its input shapes per model profile
+    (propagated from ``feeds`` through ONNX Runtime). Returns the files."""
+    files: dict[str, Path] = {}
+    shapes = [_shape_ranges(model, boundary_names(segments), fs, onnx_path) for fs in feeds]
+    for s in segments:
+        s.onnx = f"segment{s.index}.{s.kind}.onnx"
+        extract_segment(model, s, shapes[0], out_dir / s.onnx)
+        files[f"segment{s.index}"] = out_dir / s.onnx
+        if s.kind == "trt":
+            s.profiles = [{n: {k: sh[n][k] for k in ("min", "opt", "max")} for n in s.inputs} for sh in shapes]
+    return files
+
+
+def _fragmented(nodes, fallback: list[int], trt_subgraphs: int, boundaries: int) -> str:
+    """The warning for a model cut into more than FRAGMENTED TensorRT subgraphs, with the fix."""
+    from tasks.prequant.detect import DYNAMIC_OPS
+
+    dynamic = sum(1 for i in fallback if nodes[i].op_type in DYNAMIC_OPS)
+    return (f"fragmented: {trt_subgraphs} TensorRT subgraphs and {boundaries} boundary tensors; each boundary is a "
+            "copy and a sync, so this can be slower than running natively (" + (
+                f"{dynamic} of the native nodes are dynamic quantization, which TensorRT has no kernels for: "
+                "model.dequantize_dynamic=true builds them as float layers in TensorRT" if dynamic else
+                "raise partition.min_subgraph_size or replace the unsupported ops") + ")")
 
 
 # inputs TensorRT reads as shape tensors (values needed at build time, per profile), by op and input position
@@ -183,121 +229,6 @@ def _shape_ranges(model, names: list[str], feeds: list, onnx_path: Path) -> dict
         raise StageError(f"the model cannot run in ONNX Runtime either, where the nodes TensorRT cannot take would run: "
                          f"{cause(e)}", stage="partition", file=str(onnx_path),
                          fix="register the custom op's ONNX Runtime library, or replace the op") from None
-
-
-def refine(model, node_ids: list[int], backend: Backend, shapes: dict[str, dict], reasons: dict[int, str],
-           depth: int = 0) -> list[list[int]]:
-    """Split a node run that does not parse into runs that do (as ONNX Runtime's TensorRT provider does): parse the
-    run alone; at the node the parser rejects, cut, record its reason, and recurse on both sides."""
-    from tasks.partition.segments import io_of, submodel
-
-    if not node_ids:
-        return []
-    ins, outs = io_of(model, node_ids)
-    if any(n not in shapes for n in ins + outs) or depth > 200:
-        for i in node_ids:
-            reasons.setdefault(i, "could not be checked alone (no shape for its boundary tensors)")
-        return []
-    sub = submodel(model, node_ids, ins, outs, shapes, "check")
-    errors = backend.parse_errors(sub.SerializeToString())
-    if not errors:
-        return [node_ids]
-    k = errors[0]["node"]
-    bad_init = re.findall(r"Failed to import initializer: ([^\s,;]+)$", (errors[0]["reason"] or "").strip())
-    if not 0 <= k < len(node_ids) and bad_init:  # the parser imports every initializer before any node (node -1):
-        name = bad_init[-1]  # the nodes that read this one stay native, the rest is checked again
-        readers = [i for i in node_ids if name in model.graph.node[i].input]
-        if readers:
-            for i in readers:
-                reasons[i] = f"reads initializer {name}, whose type TensorRT cannot import ({errors[0]['reason']})"
-            runs, run = [], []
-            for i in node_ids:
-                if i in readers:
-                    runs.append(run)
-                    run = []
-                else:
-                    run.append(i)
-            return [r for part in runs + [run] for r in refine(model, part, backend, shapes, reasons, depth + 1)]
-    found = ""
-    if not 0 <= k < len(node_ids) and len(node_ids) > 1:  # the parser names no node (an error about a tensor's
-        k = _failing_prefix(model, node_ids, backend, shapes)  # shape found later): the shortest prefix that fails
-        found = f" (the parser named no node: the shortest run of nodes that fails to parse ends here)" \
-            if k is not None else ""
-        k = -1 if k is None else k
-    if not 0 <= k < len(node_ids):
-        for i in node_ids:
-            reasons.setdefault(i, errors[0]["reason"])
-        return []
-    reasons[node_ids[k]] = (errors[0]["reason"] or "rejected by the TensorRT ONNX parser") + found
-    return refine(model, node_ids[:k], backend, shapes, reasons, depth + 1) + \
-        refine(model, node_ids[k + 1:], backend, shapes, reasons, depth + 1)
-
-
-def _failing_prefix(model, node_ids: list[int], backend: Backend, shapes: dict[str, dict]) -> int | None:
-    """The index in ``node_ids`` (topological) of the last node of the shortest prefix that does not parse, by binary
-    search (log2 of the run's length parses); None when a prefix's boundary shapes are unknown."""
-    from tasks.partition.segments import io_of, submodel
-
-    def parses(ids: list[int]) -> bool | None:
-        ins, outs = io_of(model, ids)
-        if any(n not in shapes for n in ins + outs):
-            return None
-        return not backend.parse_errors(submodel(model, ids, ins, outs, shapes, "check").SerializeToString())
-
-    lo, hi = 0, len(node_ids)  # a prefix of lo nodes parses, the whole run (hi) does not
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        ok = parses(node_ids[:mid])
-        if ok is None:
-            return None
-        lo, hi = (mid, hi) if ok else (lo, mid)
-    return hi - 1
-
-
-def draw_partition(model, segments: list[Segment], path: Path) -> Path:
-    """The graph laid out by depth, TensorRT islands in greens/blues, native nodes in red."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    g = model.graph
-    producer = {o: i for i, n in enumerate(g.node) for o in n.output}
-    depth = [0] * len(g.node)
-    for i, n in enumerate(g.node):
-        depth[i] = 1 + max((depth[producer[x]] for x in n.input if x in producer), default=-1)
-    seg_of = {i: s for s in segments for i in s.nodes}
-    rows: dict[int, int] = {}
-    pos = []
-    for i in range(len(g.node)):
-        r = rows.get(depth[i], 0)
-        rows[depth[i]] = r + 1
-        pos.append((depth[i], r))
-    width = max(6.0, min(40.0, (max(depth, default=0) + 1) * 0.12))
-    height = max(3.0, min(20.0, max(rows.values(), default=1) * 0.4 + 1.5))
-    fig, ax = plt.subplots(figsize=(width, height))
-    palette = ["#2e7d32", "#1565c0", "#00838f", "#558b2f", "#283593"]
-    for i, n in enumerate(g.node):
-        for x in n.input:
-            if x in producer:
-                a, b = pos[producer[x]], pos[i]
-                ax.plot([a[0], b[0]], [a[1], b[1]], color="#bbbbbb", lw=0.4, zorder=1)
-    trt_ids = [s.index for s in segments if s.kind == "trt"]
-    for i, (x, y) in enumerate(pos):
-        s = seg_of[i]
-        color = "#c62828" if s.kind == "native" else palette[trt_ids.index(s.index) % len(palette)]
-        ax.scatter([x], [y], s=18 if s.kind == "trt" else 40, color=color, zorder=2,
-                   marker="o" if s.kind == "trt" else "s")
-        if s.kind == "native":
-            ax.annotate(g.node[i].op_type, (x, y), textcoords="offset points", xytext=(3, 4), fontsize=7, color=color)
-    ax.set_title(f"partition: {len(trt_ids)} TensorRT subgraph(s) (green/blue), "
-                 f"{sum(len(s.nodes) for s in segments if s.kind == 'native')} native node(s) (red)")
-    ax.set_xlabel("depth (topological)")
-    ax.set_yticks([])
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def without_control_flow(onnx_path: Path, partition_cfg: dict) -> tuple[dict, list[str]] | None:
