@@ -4,12 +4,12 @@ from tasks.common.exports import lazy
 __getattr__, __dir__, __all__ = lazy(__name__, {
     "Metric": "metric",
     "cosine": "metrics",
-    "final_activations": "metric",
-    "fingerprint": "metric",
-    "from_config": "metric",
+    "final_activations": "logits",
+    "fingerprint": "config",
+    "from_config": "config",
     "judged_samples": "budget",
-    "labels_per_feed": "metric",
-    "load_labels": "metric",
+    "labels_per_feed": "labels",
+    "load_labels": "labels",
     "search_target": "budget",
-    "with_outputs": "metric",
+    "with_outputs": "logits",
 })

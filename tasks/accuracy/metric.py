@@ -16,18 +16,18 @@ stopping point and the scheduled rebuild's regression check.
 
 Every value names what measured it (the validate stage's source: ONNX Runtime's emulation or the engine). Outputs
 produced by a final Softmax, Sigmoid or LogSoftmax are also judged on their logits (the input of that op) with cosine
-and allclose (``logit_report``); ``accuracy.gate_logits=true`` makes the logits gate too, and the verdict names the
-level that gated.
+and allclose (``logit_report``, logits.py); ``accuracy.gate_logits=true`` makes the logits gate too, and the verdict
+names the level that gated.
 
 The search (tasks/quantization/calibrate.py, tasks/quantization/sensitivity.py) sees a metric only through ``SearchJudge``: a value per feed
 (higher is better) and a target on the same scale.
+
+The metric is read from the config in config.py (the user's function imported there), validation.labels in
+labels.py.
 """
 from __future__ import annotations
 
-import importlib
-import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -36,7 +36,6 @@ from tasks.common.errors import ConfigError
 from tasks.accuracy.metrics import compare, cosine, summarize
 
 BUILTIN = ("cosine", "allclose", "top1")
-LOGIT_OPS = ("Softmax", "Sigmoid", "LogSoftmax")
 Feed = dict[str, np.ndarray]
 
 
@@ -110,7 +109,7 @@ class Metric:
         per_sample: list[dict] = []
         judged = set()
         for i, (got, ref, feed) in enumerate(zip(outputs, references, feeds)):
-            n = _batch(feed)
+            n = samples_in(feed)
             names = []
             for name, r in ref.items():
                 num, den = self._counts(name, got[name], r)
@@ -191,7 +190,7 @@ class Metric:
         per_sample, score, passed = [], None, True
         for i, (got, ref, feed) in enumerate(zip(outputs, references, feeds)):
             s, p = self.call(got, ref, feed, None if labels is None else labels[i])
-            per_sample.append({"feed": i, "samples": _batch(feed), "score": s, "passed": p})
+            per_sample.append({"feed": i, "samples": samples_in(feed), "score": s, "passed": p})
             score = s if score is None else self.worse(score, s)
             passed = passed and p
         return {"metric": self.name, "settings": self.settings(), "rule": self.rule(), "score": score,
@@ -259,181 +258,7 @@ def top1_agreement(c: np.ndarray, r: np.ndarray) -> np.ndarray | None:
     return np.argmax(c.reshape(-1, r.shape[-1]), axis=1) == np.argmax(r.reshape(-1, r.shape[-1]), axis=1)
 
 
-def _batch(feed: Feed) -> int:
+def samples_in(feed: Feed) -> int:
+    """The number of samples in a feed: the first axis of its first array that has one (1 when none has)."""
     a = next((a for a in feed.values() if np.ndim(a) > 0), None)
     return int(np.shape(a)[0]) if a is not None else 1
-
-
-# --- config ---------------------------------------------------------------------------------------------------
-
-def from_config(acc: Any, search: list[Path] | None = None) -> Metric:
-    """The metric of ``accuracy`` (the typed config section, a DictConfig or a dict), checked: an unknown name, a
-    ``module:function`` that cannot be imported, a negative tolerance or a threshold outside [0, 1] is a ConfigError
-    naming the key, the value and the fix (before any heavy work)."""
-    get = (lambda k, d=None: acc.get(k, d)) if isinstance(acc, dict) else (lambda k, d=None: getattr(acc, k, d))
-    name = str(get("metric", "cosine") or "cosine")
-    outputs = get("outputs") or {}
-    outputs = {str(k): {kk: float(vv) for kk, vv in dict(v).items() if vv is not None} for k, v in dict(outputs).items()}
-    m = Metric(name=name, min_cosine=float(get("min_cosine", 0.99)), atol=float(get("atol", 1e-5)),
-               rtol=float(get("rtol", 1e-5)), outputs=outputs, min_within=float(get("min_within", 1.0)),
-               min_agreement=float(get("min_agreement", 0.99)), greater_is_better=bool(get("greater_is_better", True)),
-               gate_logits=bool(get("gate_logits", False)))
-    for key in ("atol", "rtol"):
-        v = getattr(m, key)
-        if not (v >= 0 and math.isfinite(v)):
-            raise ConfigError(f"accuracy.{key}={v} must be a finite number >= 0", fix=f"e.g. accuracy.{key}=1e-5")
-        for out, t in outputs.items():
-            if key in t and not (t[key] >= 0 and math.isfinite(t[key])):
-                raise ConfigError(f"accuracy.outputs.{out}.{key}={t[key]} must be a finite number >= 0",
-                                  fix=f"e.g. accuracy.outputs.{out}.{key}=1e-5")
-    for out, t in outputs.items():
-        if set(t) - {"atol", "rtol"}:
-            raise ConfigError(f"accuracy.outputs.{out} has {sorted(set(t) - {'atol', 'rtol'})[0]!r}",
-                              fix="per output, give atol and/or rtol")
-    for key in ("min_within", "min_agreement"):
-        v = getattr(m, key)
-        if not 0.0 <= v <= 1.0:
-            raise ConfigError(f"accuracy.{key}={v} is outside [0, 1]", fix=f"e.g. accuracy.{key}=0.99 (a share)")
-    if outputs and name != "allclose":
-        raise ConfigError(f"accuracy.outputs sets per-output tolerances, which only accuracy.metric=allclose uses "
-                          f"(accuracy.metric={name})", fix="set accuracy.metric=allclose, or remove accuracy.outputs")
-    if name in BUILTIN:
-        return m
-    mod_name, sep, fn_name = name.partition(":")
-    if not sep or not mod_name or not fn_name:
-        import difflib
-        near = difflib.get_close_matches(name, BUILTIN, n=1)
-        raise ConfigError(f"accuracy.metric={name!r} is unknown" + (f" (did you mean {near[0]!r}?)" if near else ""),
-                          fix="use cosine, allclose, top1, or module:function (your own, in the working directory or "
-                              "the config dir)")
-    m.fn, m.origin = load_function(name, search)
-    return m
-
-
-def load_function(name: str, search: list[Path] | None = None) -> tuple[Callable, str | None]:
-    """``module:function`` imported as a torch factory is (the working directory, then the config dir, on sys.path;
-    the module imported fresh so that an edited file is what runs)."""
-    from tasks.common.usermodules import add_import_paths, fresh_user_modules
-
-    mod_name, _, fn_name = name.partition(":")
-    add_import_paths(search)
-    fresh_user_modules(mod_name, search)
-    try:
-        mod = importlib.import_module(mod_name)
-    except Exception as e:  # noqa: BLE001 - ImportError, or the module's own error at import
-        raise ConfigError(f"accuracy.metric={name!r} cannot be imported: {type(e).__name__}: {e}",
-                          fix="put the module in the working directory or the config dir (--config-dir), or fix it"
-                          ) from None
-    fn = getattr(mod, fn_name, None)
-    if not callable(fn):
-        raise ConfigError(f"accuracy.metric={name!r}: module {mod_name!r} has no function {fn_name!r}",
-                          file=getattr(mod, "__file__", None),
-                          fix=f"define def {fn_name}(outputs, references, feeds): ... returning (score, passed)")
-    return fn, getattr(mod, "__file__", None)
-
-
-def fingerprint(acc: Any, search: list[Path] | None = None) -> dict | None:
-    """What a user function's result depends on beyond the config: its module file's sha256 (None for built-ins)."""
-    name = str((acc.get("metric") if isinstance(acc, dict) else getattr(acc, "metric", None)) or "cosine")
-    if name in BUILTIN or ":" not in name:
-        return None
-    import importlib.util
-
-    from tasks.common.usermodules import add_import_paths
-    from tasks.common.util import sha256_file
-
-    add_import_paths(search)
-    try:
-        spec = importlib.util.find_spec(name.partition(":")[0])
-    except (ImportError, ValueError):
-        spec = None
-    origin = spec.origin if spec else None
-    return {"metric": name, "module_sha256": sha256_file(origin) if origin and Path(origin).is_file() else None}
-
-
-def load_labels(path: str, samples: int) -> np.ndarray:
-    """validation.labels: one label per sample of validation.data (axis 0), checked against its sample count."""
-    try:
-        got = np.load(path, allow_pickle=False)
-        if isinstance(got, np.lib.npyio.NpzFile):
-            with got as z:
-                if len(z.files) != 1:
-                    raise ValueError(f"it holds {len(z.files)} arrays {z.files[:4]}, not one")
-                got = z[z.files[0]]
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"validation.labels={path!r} cannot be read: {e}", file=str(path),
-                          fix="save one array of labels, one per sample of validation.data: numpy.save(path, labels)"
-                          ) from None
-    if got.ndim == 0 or len(got) != samples:
-        raise ConfigError(f"validation.labels={path!r} holds {0 if got.ndim == 0 else len(got)} labels but "
-                          f"validation.data holds {samples} samples", file=str(path),
-                          fix="give one label per sample of validation.data, in its order (axis 0)")
-    return got
-
-
-def labels_per_feed(labels: np.ndarray, feeds: list[Feed]) -> list[np.ndarray]:
-    """The labels of each feed's samples: validation.data's feeds are its samples in order, batch after batch."""
-    out, at = [], 0
-    for f in feeds:
-        n = _batch(f)
-        out.append(labels[at:at + n])
-        at += n
-    return out
-
-
-# --- logits ---------------------------------------------------------------------------------------------------
-
-def final_activations(model) -> dict[str, dict[str, str]]:
-    """Graph outputs produced by a Softmax, Sigmoid or LogSoftmax (through Identity nodes): {output: {"op", "logits":
-    the op's input}}."""
-    import onnx
-
-    m = onnx.load(str(model), load_external_data=False) if not isinstance(model, onnx.ModelProto) else model
-    producer = {o: n for n in m.graph.node for o in n.output}
-    out = {}
-    for o in m.graph.output:
-        n = producer.get(o.name)
-        while n is not None and n.op_type == "Identity" and n.input:  # (exporters end graphs with an Identity)
-            n = producer.get(n.input[0])
-        if n is not None and n.op_type in LOGIT_OPS and n.input:
-            out[o.name] = {"op": n.op_type, "logits": n.input[0]}
-    return out
-
-
-def with_outputs(model, names: list[str]):
-    """A copy of ``model`` (a path or ModelProto) with ``names`` added as graph outputs (those it has as values)."""
-    import onnx
-
-    m = onnx.load(str(model)) if not isinstance(model, onnx.ModelProto) else model
-    c = onnx.ModelProto()
-    c.CopyFrom(m)
-    have = {o.name for o in c.graph.output}
-    values = {o for n in c.graph.node for o in n.output}
-    for n in names:
-        if n not in have and n in values:
-            c.graph.output.append(onnx.ValueInfoProto(name=n))
-    return c
-
-
-def logit_report(metric: Metric, finals: dict[str, dict], outputs: list[Feed], references: list[Feed]) -> dict:
-    """Per output from a final Softmax/Sigmoid/LogSoftmax: cosine (pooled) and allclose share (the metric's
-    tolerances for that output) on its logits, and whether they meet the metric's rule at the logit level (cosine:
-    min_cosine; allclose: min_within; other metrics: not applicable)."""
-    out = {}
-    for name, f in finals.items():
-        t = f["logits"]
-        pairs = [(o[t], r[t]) for o, r in zip(outputs, references) if t in o and t in r]
-        if not pairs:
-            continue
-        a = np.concatenate([np.asarray(r, np.float64).ravel() for _, r in pairs])
-        b = np.concatenate([np.asarray(c, np.float64).ravel() for c, _ in pairs])
-        atol, rtol = metric.tolerance(name)
-        within = within_tolerance(b, a, atol, rtol)
-        row = {"op": f["op"], "logits": t, "cosine": cosine(b, a), "allclose_within": float(within.mean()),
-               "atol": atol, "rtol": rtol, "max_abs": float(np.abs(a - b).max(initial=0))}
-        if metric.name == "cosine":
-            row["passed"] = row["cosine"] >= metric.min_cosine
-        elif metric.name == "allclose":
-            row["passed"] = row["allclose_within"] >= metric.min_within
-        out[name] = row
-    return out

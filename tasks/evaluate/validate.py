@@ -165,7 +165,7 @@ def _accuracy_of(metric, measured_outs: list[dict], refs: list[dict], feeds: lis
                  labels: list | None, source: str, emulation: str, logits: dict | None) -> dict:
     """The report's ``accuracy``: the user's metric on the measured outputs, with the logits of outputs from a final
     Softmax/Sigmoid/LogSoftmax (measured in the emulation only) and what gated (``gated_by``)."""
-    from tasks.accuracy.metric import logit_report
+    from tasks.accuracy.logits import logit_report
 
     accuracy = {**metric.evaluate(measured_outs, refs, feeds, labels), "source": source}
     accuracy["gated_by"] = "outputs"

@@ -7,7 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.accuracy.metric import Metric, final_activations, from_config, logit_report, top1_agreement, within_tolerance
+from tasks.accuracy.config import from_config
+from tasks.accuracy.logits import final_activations, logit_report
+from tasks.accuracy.metric import Metric, top1_agreement, within_tolerance
 from tasks.common.errors import AccuracyError, ConfigError
 
 
@@ -156,7 +158,7 @@ def test_a_user_function_is_called_per_batch_and_its_failure_names_it(tmp_path):
 
 
 def test_labels_reach_a_user_function_batch_by_batch(tmp_path):
-    from tasks.accuracy.metric import labels_per_feed, load_labels
+    from tasks.accuracy.labels import labels_per_feed, load_labels
 
     (tmp_path / "usermetric_labels.py").write_text(MINORITY)
     np.save(tmp_path / "labels.npy", np.array([0, 1, 1]))
@@ -187,7 +189,7 @@ def test_validate_gates_on_the_metric_and_reports_the_logits(tmp_path):
     import onnx
     from onnx import numpy_helper
 
-    from tasks.accuracy.metric import with_outputs
+    from tasks.accuracy.logits import with_outputs
     from tasks.onnxrt.ort import ort_runner
     from tasks.evaluate.validate import validate_onnx
 
