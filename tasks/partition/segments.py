@@ -18,7 +18,6 @@ import numpy as np
 from tasks.graph.edit import node_inputs
 
 
-
 @dataclass
 class Segment:
     index: int

@@ -27,6 +27,7 @@ def describe(q: dict) -> str:
         parts.append(f"{q['dynamic']} dynamic quantization ops")
     if q.get("qlinear"):
         parts.append(f"{q['qlinear']} QLinear ops")
+
     def n(key: str, one: str, many: str) -> str:
         return f"{q[key]} {one if q[key] == 1 else many}"
 
