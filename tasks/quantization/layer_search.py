@@ -207,7 +207,8 @@ def judge_written_graph(s: SearchState, harm: dict) -> None:
 
 
 def annotate_sensitivity(s: SearchState, local: dict) -> None:
-    """Each sensitivity row with its local errors, the one of its range in use, whether it is quantized and its range."""
+    """Each sensitivity row with its local errors, the one of its range in use, whether it is quantized and its
+    range."""
     for row in s.sensitivity:
         row["local_errors"] = local.get(row["node"])  # per range method: the layer's own output error
         row["local_error"] = (local[row["node"]][s.range_choice.get(row["node"], s.method)]

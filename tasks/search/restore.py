@@ -32,52 +32,66 @@ def restore_search(layers: list[str], meets: Callable[[list[str]], bool], harm: 
                    screen: Callable[[list[str], list[str]], dict[str, float]] | None = None,
                    slack: Callable[[], float | None] | None = None,
                    judgements: int = REFINE_JUDGEMENTS) -> tuple[list[str], int]:
-    """The layers to quantize, searched from every layer quantized towards fewer (the other direction of
-    the former budget search): layers are restored to the high precision in order of ``harm`` (the accuracy a layer costs,
-    measured or estimated) per FLOP kept out of the quantized type, most harmful first; the shortest restored prefix
-    whose complement ``meets`` the budget is found by binary search (log2 of the layer count judged runs); then the
-    restored layers that carry at least ``refine_share`` of the FLOPs (up to ``refine``), most FLOPs first, are tried
-    back: what the ranking misjudged, where it matters for the share of FLOPs quantized. ``meets`` is judged
-    on whole-model runs. Returns (chosen layers, runs of ``meets``).
+    """The layers to quantize, searched from every layer quantized towards fewer: layers are restored to the high
+    precision in order of ``harm`` (the accuracy a layer costs, measured or estimated) per FLOP kept out of the
+    quantized type, most harmful first; the shortest restored prefix whose complement ``meets`` the budget is found by
+    binary search (log2 of the layer count judged runs); then the restored layers that carry at least
+    ``refine_share`` of the FLOPs (up to ``refine``), most FLOPs first, are tried back: what the ranking misjudged,
+    where it matters for the share of FLOPs quantized. ``meets`` is judged on whole-model runs. Returns (chosen
+    layers, runs of ``meets``).
 
     Without ``screen`` each of them is judged back one by one (one whole judgement each: PP-OCRv4 det, 24 pages,
     24 judgements of 14 pages, two thirds of the search's runs). With ``screen`` (quantized layers, candidates ->
     {candidate: the accuracy lost by quantizing it alone on top of them}, measured cheaply: one run of one sample
     each) the candidates are re-ranked by that loss per FLOP in the configuration the binary search found, and the
-    greedy pass over that order judges runs of candidates together (each run the candidates whose losses add up to
-    ``slack()``, the last met judgement's margin above the target), spending at most ``judgements`` of them. Every
-    layer taken back is confirmed by a whole judgement, so the budget holds as before; fewer judgements decide."""
+    greedy pass over that order judges runs of candidates together (``_take_back_screened``), spending at most
+    ``judgements`` of them. Every layer taken back is confirmed by a whole judgement, so the budget holds as without
+    the screen; fewer judgements decide."""
     flops = flops or {}
     order = sorted(layers, key=lambda n: -harm.get(n, 0.0) / max(flops.get(n) or 1.0, 1.0))
-    runs = 0
-
-    def ok(restored: set[str]) -> bool:
-        nonlocal runs
-        runs += 1
-        return meets([n for n in layers if n not in restored])
-
+    judge = _Judge(layers, meets)
     memo: dict[int, bool] = {}
 
     def prefix(k: int) -> bool:
         if k not in memo:
-            memo[k] = ok(set(order[:k]))
+            memo[k] = judge.ok(set(order[:k]))
         return memo[k]
 
     if prefix(0):
-        return list(layers), runs
+        return list(layers), judge.runs
     # prefix(0) fails; prefix(len) = nothing quantized, taken to meet
     _, hi = _bisect(0, len(order), prefix)
     if hi == len(order) and not prefix(hi):  # not even the graph without any quantized layer meets: nothing to refine
-        return [], runs
+        return [], judge.runs
     restored = set(order[:hi])  # everything, when no prefix met the target: the large layers are still tried below
     total = sum(flops.get(n) or 0.0 for n in layers) or 1.0
     big = [n for n in restored if (flops.get(n) or 0.0) >= refine_share * total]
     big = sorted(big, key=lambda n: -(flops.get(n) or 0.0))[:refine]
     if screen is None or len(big) < 2:
         for n in big:
-            if ok(restored - {n}):
+            if judge.ok(restored - {n}):
                 restored.discard(n)
-        return [n for n in layers if n not in restored], runs
+        return [n for n in layers if n not in restored], judge.runs
+    restored = _take_back_screened(layers, restored, big, judge, screen, flops, slack, judgements)
+    return [n for n in layers if n not in restored], judge.runs
+
+
+class _Judge:
+    """``meets`` of the layers left quantized when ``restored`` are kept out, with the count of its runs."""
+
+    def __init__(self, layers: list[str], meets: Callable[[list[str]], bool]):
+        self.layers, self.meets, self.runs = layers, meets, 0
+
+    def ok(self, restored: set[str]) -> bool:
+        self.runs += 1
+        return self.meets([n for n in self.layers if n not in restored])
+
+
+def _take_back_screened(layers: list[str], restored: set[str], big: list[str], judge: _Judge,
+                        screen: Callable[[list[str], list[str]], dict[str, float]], flops: dict[str, float],
+                        slack: Callable[[], float | None] | None, judgements: int) -> set[str]:
+    """``restored`` less the candidates ``big`` taken back, re-ranked by their screened loss per FLOP on top of the
+    layers quantized, judged in runs whose losses add up to ``slack()``, at most ``judgements`` judgements."""
     loss = screen([n for n in layers if n not in restored], big)
     cand = sorted(big, key=lambda n: max(loss.get(n, 0.0), 0.0) / max(flops.get(n) or 1.0, 1.0))
     # the one-by-one greedy pass over ``cand`` (each taken back when it meets on top of those taken before), judged in
@@ -86,8 +100,8 @@ def restore_search(layers: list[str], meets: Callable[[list[str]], bool], harm: 
     # longest part of it that meets is found by a binary search and the candidate after it (which failed on top of it)
     # is skipped. Where the screen is right this costs one judgement per run; where every candidate fails, one each,
     # as one by one. (Galloping from each met run, 1, 2, 4, ..., cost PP-OCRv6 det 21 judgements for 17 candidates.)
-    i, start = 0, runs
-    while i < len(cand) and runs - start < judgements:
+    i, start = 0, judge.runs
+    while i < len(cand) and judge.runs - start < judgements:
         left = slack() if slack is not None else None
         if left is not None and left >= 0:  # a candidate whose screened loss is far beyond the margin left is not
             # judged (a narrowly failing judgement runs most feeds before it is refused: PP-OCRv4 det, 9 of them after
@@ -98,7 +112,7 @@ def restore_search(layers: list[str], meets: Callable[[list[str]], bool], harm: 
         rest = cand[i:]
 
         def back(k: int) -> bool:
-            return ok(restored - set(rest[:k]))
+            return judge.ok(restored - set(rest[:k]))
 
         k, spent = 0, 0.0
         while k < len(rest) and (k == 0 or (left is not None and spent + max(loss.get(rest[k], 0.0), 0.0) <= left)):
@@ -111,7 +125,7 @@ def restore_search(layers: list[str], meets: Callable[[list[str]], bool], harm: 
         lo, _ = _bisect(0, k, lambda m: not back(m))  # back(0) meets (the last judgement), back(k) does not
         restored -= set(rest[:lo])
         i += lo + 1  # rest[lo] fails on top of rest[:lo]
-    return [n for n in layers if n not in restored], runs
+    return restored
 
 
 def _bisect(lo: int, hi: int, flips: Callable[[int], bool]) -> tuple[int, int]:
