@@ -43,7 +43,7 @@ OPT_LEVEL = 3  # conf default build.optimization_level
 # (issue 30): on existing state (Prefect home, MLflow store, local Prefect server) and a fresh machine's first build
 GOALS = {"existing": 3.0, "fresh": 5.0}
 ORT_WARMUP = 3  # conf default benchmark.warmup (the pipeline times repeats x iterations = 3 x 10 = 30 runs)
-STAGES = ("export", "partition", "build", "calibrate", "validate", "benchmark")
+from tasks.schema import STAGES  # noqa: E402
 
 
 def python_exe() -> str:

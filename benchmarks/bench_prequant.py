@@ -33,7 +33,7 @@ from tasks.accuracy import cosine  # noqa: E402
 
 FILES = {"det": ("ch_PP-OCRv4_det_infer.onnx", 320, 320), "rec": ("ch_PP-OCRv4_rec_infer.onnx", 48, 320),
          "cls": ("ch_ppocr_mobile_v2.0_cls_infer.onnx", 48, 192)}
-MODES = ("exact", "int8", "float")
+from tasks.schema import ASYMMETRIC_MODES as MODES  # noqa: E402
 
 
 def run(model, x: np.ndarray, kernels: bool = False) -> np.ndarray:

@@ -48,6 +48,7 @@ from flows.local import tracker  # noqa: E402
 from flows.tracking import failure_text, run_matches, warm, warmed  # noqa: E402
 from tasks.common import TrtforgeError, cause  # noqa: E402
 from tasks.report import write_report  # noqa: E402
+from tasks.schema import STAGES  # noqa: E402
 from tasks.common import write_json  # noqa: E402
 
 
@@ -86,7 +87,7 @@ def build_flow() -> dict:
     ctx = _current.get()
     ctx.origin = {"run": f"{flow_run.get_name()} ({flow_run.get_id()})"}  # stored with every result computed here
     timeline.mark("flow run started")
-    for name in stages.STAGE_NAMES:  # export, partition, build, calibrate, validate, benchmark
+    for name in STAGES:  # export, partition, build, calibrate, validate, benchmark
         stage(name)
         if name == "validate" and stages.fp16_search_due(ctx):
             search_and_revalidate(ctx)

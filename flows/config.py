@@ -6,12 +6,15 @@ import difflib
 import re
 from dataclasses import fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from tasks import schema
 from tasks.common import ConfigError
+
+if TYPE_CHECKING:
+    from flows.context import BuildInputs
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ("model", "target", "precision")
@@ -129,16 +132,49 @@ def _cc(v: str) -> tuple[int, int]:
     return int(major), int(minor or 0)
 
 
-def preflight(cfg: DictConfig, config_dir: str | None = None) -> "BuildInputs":
+def _in_words(values: tuple[str, ...]) -> str:
+    """'a, b or c'."""
+    return f"{', '.join(values[:-1])} or {values[-1]}" if len(values) > 1 else values[0]
+
+
+def check_choice(cfg: DictConfig, key: str, verdict: str = "is unknown") -> None:
+    """A key with declared values (tasks/schema.py `one_of`) holds one of them (or None, its default)."""
+    value = OmegaConf.select(cfg, key)
+    if value is not None and value not in schema.choices_of(key):
+        raise ConfigError(f"{key}={value!r} {verdict}", fix=f"use {_in_words(schema.choices_of(key))}")
+
+
+def preflight(cfg: DictConfig, config_dir: str | None = None) -> BuildInputs:
     """Check the whole config before any heavy step, and split the data: what the stages need (model io, profiles,
     shape rules, backend, the calibration / search / validation sets)."""
     from flows.context import BuildInputs  # (imported here: the up-to-date check before preflight stays light)
-    from tasks.data import MAX_SEARCH, MAX_VALIDATION, as_user_data, split_data
-    from tasks.data import load_data
-
     from tasks.trt import backend_for_target
+
+    check_settings(cfg, config_dir)
+    m, t, p, cal = cfg.model, cfg.target, cfg.precision, cfg.calibration
+    search = config_dir_search(config_dir)
+    backend = backend_for_target(t.name, t.backend, t.compute_capability, t.architecture, t.note)
+    model, inputs, outputs, prequant = model_io(cfg, search)
+    inputs = bind_constants(cfg, inputs)
+    check_outputs(cfg, outputs)
+    calibrates = bool(p.quantized) and not prequant
+    if calibrates and not cal.data and m.images is None:
+        raise ConfigError(f"precision={p.name} needs calibration data: calibration.data is not set and model {m.name} has no images recipe",
+                          fix="set calibration.data=path/to/samples.npz (or a folder of .npz/.npy, one array per input name)")
+    if m.images is not None and m.images.input not in [i.name for i in inputs]:
+        raise ConfigError(f"model.images.input={m.images.input!r} is not an input of the model",
+                          fix=f"use one of {[i.name for i in inputs]}")
+    profiles, rules, traffic = shapes_of(cfg, model, inputs, search)
+    data, user = data_of(cfg, inputs, profiles, rules, calibrates)
+    check_labels(cfg, user)
+    return BuildInputs(backend=backend, inputs=inputs, outputs=outputs, profiles=profiles, rules=rules, search=search,
+                       prequantized=prequant, data=data, traffic=traffic)
+
+
+def check_settings(cfg: DictConfig, config_dir: str | None) -> None:
+    """The checks the config alone decides (names, target and precision, declared values, ranges), before the model is
+    read."""
     from tasks.graph import check_safe_name
-    from tasks.data import check_profiles, shape_rules
 
     m, t, p = cfg.model, cfg.target, cfg.precision
     check_safe_name("model.name", m.name)
@@ -148,8 +184,9 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> "BuildInputs":
     if not t.supported:
         ok = ", ".join(n for n in targets if n not in ("sm_20", "sm_30"))
         raise ConfigError(f"target={t.name} is not supported: {t.note}", fix=f"pick a supported target: {ok}")
-    if p.name not in schema.PRECISIONS:
-        raise ConfigError(f"precision={p.name} is unknown", fix=f"use one of {', '.join(schema.PRECISIONS)}")
+    precisions = schema.choices_of("precision.name")
+    if p.name not in precisions:
+        raise ConfigError(f"precision={p.name} is unknown", fix=f"use one of {', '.join(precisions)}")
     if p.name not in t.precisions:
         raise ConfigError(f"precision={p.name} is not supported by target={t.name} ({t.architecture}; it supports "
                           f"{', '.join(t.precisions)})",
@@ -158,19 +195,28 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> "BuildInputs":
     if _cc(t.compute_capability) < _cc(p.min_compute_capability):
         raise ConfigError(f"precision={p.name} needs compute capability {p.min_compute_capability} or newer; target={t.name} is "
                           f"{t.compute_capability}", fix="use target=sm_89 or newer, or precision=int8/fp16")
-    if m.format not in ("onnx", "torch", "paddle"):
-        raise ConfigError(f"model.format={m.format!r} is not supported", fix="use onnx, torch or paddle")
-    if m.asymmetric not in ("exact", "int8", "float"):
-        raise ConfigError(f"model.asymmetric={m.asymmetric!r} is unknown", fix="use exact, int8 or float")
-    if m.reference not in ("shipped", "dequantized"):
-        raise ConfigError(f"model.reference={m.reference!r} is unknown", fix="use shipped or dequantized")
+    check_choice(cfg, "model.format", "is not supported")
+    check_choice(cfg, "model.asymmetric")
+    check_choice(cfg, "model.reference")
     if m.reference == "dequantized" and not m.dequantize_dynamic:
         raise ConfigError("model.reference=dequantized names the dequantized float form of a dynamically quantized "
                           "model, which only model.dequantize_dynamic=true builds",
                           fix="set model.dequantize_dynamic=true too, or model.reference=shipped")
+    check_choice(cfg, "calibration.method")
+    check_numbers(cfg, config_dir)
+    if m.images is not None:
+        src = m.images.source
+        if not src.startswith("synthetic:"):
+            from tasks.data import list_images
+            list_images(src, "model.images.source")
+        elif src not in schema.SYNTHETIC_IMAGES:
+            raise ConfigError(f"model.images.source={src!r} is unknown",
+                              fix=f"use {_in_words((*schema.SYNTHETIC_IMAGES, 'a folder of images'))}")
+
+
+def check_numbers(cfg: DictConfig, config_dir: str | None) -> None:
+    """Numbers inside their ranges, and the accuracy metric loadable with its settings."""
     cal = cfg.calibration
-    if cal.method is not None and cal.method not in ("entropy", "minmax", "percentile"):
-        raise ConfigError(f"calibration.method={cal.method!r} is unknown", fix="use entropy, minmax or percentile")
     if not 0.0 <= cal.budget_margin < 1.0:
         raise ConfigError(f"calibration.budget_margin={cal.budget_margin} is outside [0, 1)", fix="e.g. 0.25")
     if cal.samples < 1:
@@ -187,40 +233,35 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> "BuildInputs":
     for key in ("validation.samples", "benchmark.iterations", "benchmark.repeats"):
         if OmegaConf.select(cfg, key) < (0 if key == "validation.samples" else 1):
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} is too small", fix=f"give {key} a positive number")
-    if m.images is not None:
-        src = m.images.source
-        if not src.startswith("synthetic:"):
-            from tasks.data import list_images
-            list_images(src, "model.images.source")
-        elif src != "synthetic:text":
-            raise ConfigError(f"model.images.source={src!r} is unknown", fix="use synthetic:text or a folder of images")
-    search = config_dir_search(config_dir)
-    backend = backend_for_target(t.name, t.backend, t.compute_capability, t.architecture, t.note)
-    model, inputs, outputs, prequant = model_io(cfg, search)
-    inputs = bind_constants(cfg, inputs)
+
+
+def check_outputs(cfg: DictConfig, outputs: list) -> None:
+    """The accuracy settings fit the model's outputs: top1 needs a class axis, per-output tolerances name outputs it
+    has (torch: known after export)."""
     names = [o.name for o in outputs]
     if cfg.accuracy.metric == "top1" and outputs and all(isinstance(o.shape[-1] if o.shape else 1, int) and
                                                          (o.shape[-1] if o.shape else 1) < 2 for o in outputs):
         raise ConfigError(f"accuracy.metric=top1 judges the argmax of each output's last axis, and no output of the "
                           f"model has a class axis ({', '.join(f'{o.name} {o.shape}' for o in outputs)})",
                           fix="use accuracy.metric=allclose or cosine")
-    for out in cfg.accuracy.outputs:  # per-output tolerances name outputs the model has (torch: known after export)
+    for out in cfg.accuracy.outputs:
         if names and out not in names:
             near = difflib.get_close_matches(out, names, n=1)
             raise ConfigError(f"accuracy.outputs.{out}: the model has no output {out!r}"
                               + (f" (did you mean {near[0]!r}?)" if near else ""),
                               fix=f"name one of its outputs: {', '.join(names)}")
-    calibrates = bool(p.quantized) and not prequant
-    if calibrates and not cal.data and m.images is None:
-        raise ConfigError(f"precision={p.name} needs calibration data: calibration.data is not set and model {m.name} has no images recipe",
-                          fix="set calibration.data=path/to/samples.npz (or a folder of .npz/.npy, one array per input name)")
-    if m.images is not None and m.images.input not in [i.name for i in inputs]:
-        raise ConfigError(f"model.images.input={m.images.input!r} is not an input of the model",
-                          fix=f"use one of {[i.name for i in inputs]}")
+
+
+def shapes_of(cfg: DictConfig, model: Any, inputs: list, search: list[Path]) -> tuple[list, Any, Any]:
+    """The checked profiles (given, or proposed from model.traffic, which checks given ones against it), the shape
+    rules data is drawn by, and the traffic (None without model.traffic)."""
+    from tasks.data import check_profiles, shape_rules
+
+    m = cfg.model
     profiles, traffic = OmegaConf.to_container(m.profiles), None
     if m.traffic.source:  # the profiles from the traffic (given profiles win and are checked against it)
         from tasks.data import check_multiples, graph_ties, named_ties
-        from tasks.data import TrafficDraws, from_config
+        from tasks.data import from_config
         given = check_multiples(OmegaConf.to_container(m.shape_multiple), inputs)
         ties = named_ties(inputs) + (graph_ties(model, inputs) if model is not None else [])
         traffic = from_config(OmegaConf.to_container(m.traffic), inputs, model,
@@ -229,7 +270,17 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> "BuildInputs":
     profiles = check_profiles(profiles, inputs)
     rules = shape_rules(inputs, profiles, model, OmegaConf.to_container(m.shape_multiple))
     if traffic is not None:
+        from tasks.data import TrafficDraws
         rules.traffic = TrafficDraws(traffic[0])
+    return profiles, rules, traffic
+
+
+def data_of(cfg: DictConfig, inputs: list, profiles: list, rules: Any, calibrates: bool) -> tuple[Any, dict]:
+    """The user's data read and checked against the model, and the disjoint calibration / search / validation sets;
+    (the split, the user's data by config key)."""
+    from tasks.data import MAX_SEARCH, MAX_VALIDATION, as_user_data, load_data, split_data
+
+    m, p, cal = cfg.model, cfg.precision, cfg.calibration
     user = {}
     for key in ("calibration.data", "validation.data"):
         path = OmegaConf.select(cfg, key)
@@ -242,18 +293,22 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> "BuildInputs":
                       recipe=OmegaConf.to_container(m.images) if m.images is not None else None,
                       calibration_samples=cal.samples, validation_samples=cfg.validation.samples, seed=cfg.seed,
                       validation_seed=cfg.validation.seed)
-    if cfg.validation.labels:  # one per sample of validation.data, for a user metric function
-        if "validation.data" not in user:
-            raise ConfigError(f"validation.labels={cfg.validation.labels!r} labels the samples of validation.data, "
-                              "which is not set", fix="set validation.data=PATH too (the samples the labels belong to)")
-        if cfg.accuracy.metric in ("cosine", "allclose", "top1"):
-            raise ConfigError(f"validation.labels is read only by a module:function metric (accuracy.metric="
-                              f"{cfg.accuracy.metric})", fix="set accuracy.metric=module:function, or drop validation.labels")
-        from tasks.accuracy import load_labels
-        from tasks.data import batch_size
-        load_labels(cfg.validation.labels, sum(batch_size(f) for f in user["validation.data"].feeds))
-    return BuildInputs(backend=backend, inputs=inputs, outputs=outputs, profiles=profiles, rules=rules, search=search,
-                       prequantized=prequant, data=data, traffic=traffic)
+    return data, user
+
+
+def check_labels(cfg: DictConfig, user: dict) -> None:
+    """validation.labels: one per sample of validation.data, for a user metric function."""
+    if not cfg.validation.labels:
+        return
+    if "validation.data" not in user:
+        raise ConfigError(f"validation.labels={cfg.validation.labels!r} labels the samples of validation.data, "
+                          "which is not set", fix="set validation.data=PATH too (the samples the labels belong to)")
+    if cfg.accuracy.metric in schema.ACCURACY_METRICS:
+        raise ConfigError(f"validation.labels is read only by a module:function metric (accuracy.metric="
+                          f"{cfg.accuracy.metric})", fix="set accuracy.metric=module:function, or drop validation.labels")
+    from tasks.accuracy import load_labels
+    from tasks.data import batch_size
+    load_labels(cfg.validation.labels, sum(batch_size(f) for f in user["validation.data"].feeds))
 
 
 def paddle_cache(cfg) -> Path:

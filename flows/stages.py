@@ -18,9 +18,6 @@ from tasks.sources import constants_text
 from tasks.partition import REDUCE_BUILD_SECONDS
 from tasks.common import StageResult, sha256_file
 
-STAGE_NAMES = ("export", "partition", "build", "calibrate", "validate", "benchmark")
-
-
 def file_hash(result: StageResult, name: str) -> str:
     return result.details.get(f"{name}_sha256") or sha256_file(result.files[name])
 

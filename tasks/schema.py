@@ -1,16 +1,40 @@
 """Typed configuration schema. Pure dataclasses: Hydra registers them in flows/config.py.
 
-`MISSING` marks required keys; OmegaConf's struct mode (via the ConfigStore) rejects unknown keys.
+`MISSING` marks required keys; OmegaConf's struct mode (via the ConfigStore) rejects unknown keys. A key with a fixed
+set of values declares them once, here, in its field's metadata (`one_of`); preflight checks them (`choices_of`). They
+stay `str` fields: OmegaConf 2.3 does not take Literal, and an Enum field would hand Enum members (not strings) to the
+cache keys, the recorded parameters and every message that prints the value.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, List, Optional, get_type_hints
 
 from omegaconf import MISSING
 
 STAGES = ("export", "partition", "build", "calibrate", "validate", "benchmark")
 PRECISIONS = ("fp32", "fp16", "int8", "fp8")
+MODEL_FORMATS = ("onnx", "torch", "paddle")
+REFERENCES = ("shipped", "dequantized")
+ASYMMETRIC_MODES = ("exact", "int8", "float")
+CALIBRATION_METHODS = ("entropy", "minmax", "percentile")
+ACCURACY_METRICS = ("cosine", "allclose", "top1")  # built in; any other value names a module:function
+SYNTHETIC_IMAGES = ("synthetic:text",)
+
+
+def one_of(default: Any, choices: tuple[str, ...]) -> Any:
+    """A str field whose value is one of ``choices`` (checked by preflight, which names them in its message)."""
+    return field(default=default, metadata={"choices": choices})
+
+
+def choices_of(key: str) -> tuple[str, ...]:
+    """The values declared for a dotted config key (e.g. 'model.format'); () when it declares none."""
+    node: Any = Config
+    *path, name = key.split(".")
+    for part in path:
+        node = get_type_hints(node)[part]
+        node = next((a for a in getattr(node, "__args__", ()) if a is not type(None)), node)  # Optional[X] -> X
+    return next((f.metadata.get("choices", ()) for f in fields(node) if f.name == name), ())
 
 
 @dataclass
@@ -30,7 +54,7 @@ class TensorSpec:
 class ImageRecipe:
     """How to turn images into model inputs (PP-OCR style preprocessing)."""
 
-    source: str = MISSING  # a folder of images, or "synthetic:text" (text pages rendered with PIL)
+    source: str = MISSING  # a folder of images, or one of SYNTHETIC_IMAGES (synthetic:text: text pages rendered with PIL)
     input: str = "x"  # the model input the images feed
     height: int = 640
     width: int = 640
@@ -55,7 +79,7 @@ class TrafficConfig:
 @dataclass
 class ModelConfig:
     name: str = MISSING
-    format: str = "onnx"  # onnx | torch | paddle
+    format: str = one_of("onnx", MODEL_FORMATS)
     source: Optional[str] = None  # path or pkg://PACKAGE/REL/PATH (onnx: the .onnx; paddle: the .pdmodel or .json)
     factory: Optional[str] = None  # "module.path:callable" (format torch)
     inputs: Dict[str, TensorSpec] = field(default_factory=dict)  # torch: forward() args in order
@@ -69,12 +93,12 @@ class ModelConfig:
     dequantize_dynamic: bool = False
     # what a model that arrives quantized is validated against: "shipped" (the model as shipped, in ONNX Runtime) or,
     # with dequantize_dynamic=true, "dequantized" (its dequantized float form: what the engine computes)
-    reference: str = "shipped"
+    reference: str = one_of("shipped", REFERENCES)
     # a model that arrives with asymmetric Q/DQ (uint8 zero point != 128, int8 with a zero point; TensorRT takes no zero
     # point): exact keeps the model's own rounding as a shifted int8 pair (int8 layers where the shift folds into a
     # bias); int8 requantizes the pairs feeding Conv/MatMul/Gemm to symmetric int8 over their range (faster, another
     # rounding); float runs them in float
-    asymmetric: str = "exact"
+    asymmetric: str = one_of("exact", ASYMMETRIC_MODES)
     # inputs bound to a fixed value (e.g. {sr: 16000}): export makes them initializers and folds the If nodes they
     # decide; they are no model inputs any more (no profile, no data), and the engine is specialised for them
     constants: Dict[str, Any] = field(default_factory=dict)
@@ -97,7 +121,7 @@ class TargetConfig:
 
 @dataclass
 class PrecisionConfig:
-    name: str = MISSING
+    name: str = one_of(MISSING, PRECISIONS)
     quantized: bool = False  # int8/fp8: explicit Q/DQ from calibration
     baseline: str = "fp32"  # precision of the baseline engine that build makes
     min_compute_capability: str = "0.0"
@@ -105,7 +129,8 @@ class PrecisionConfig:
 
 @dataclass
 class CalibrationConfig:
-    method: Optional[str] = None  # entropy | minmax (amax) | percentile; default: entropy for int8, minmax for fp8
+    # minmax with symmetric ranges is amax; None: entropy for int8, minmax for fp8
+    method: Optional[str] = one_of(None, CALIBRATION_METHODS)
     data: Optional[str] = None  # .npz/.npy file or folder of them, one array per input name
     samples: int = 16
     # calibrate aims this fraction of the allowed error above accuracy.min_cosine, so the budget still holds
@@ -130,7 +155,7 @@ class ValidationConfig:
 class AccuracyConfig:
     """The metric that gates validate, the accuracy search and the scheduled rebuild (tasks/accuracy/metric.py)."""
 
-    # cosine | allclose | top1 | module:function (the user's, in the working dir or the config dir, called per batch
+    # one of ACCURACY_METRICS or module:function (the user's, in the working dir or the config dir, called per batch
     # as fn(outputs, references, feeds) -> (score, passed))
     metric: str = "cosine"
     min_cosine: float = 0.99  # cosine: each output's pooled cosine to the reference reaches this

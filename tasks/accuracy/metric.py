@@ -35,7 +35,7 @@ import numpy as np
 from tasks.common.errors import ConfigError
 from tasks.accuracy.metrics import compare, cosine, summarize
 
-BUILTIN = ("cosine", "allclose", "top1")
+from tasks.schema import ACCURACY_METRICS as BUILTIN
 Feed = dict[str, np.ndarray]
 
 

@@ -28,9 +28,10 @@ import numpy as np
 from tasks.common.errors import StageError, cause
 from tasks.onnxrt.ort import ordered_runs, ort_session, run_workers
 from tasks.quantization.qdq import QUANT_OPS, RESIDUAL_OPS, quantized_activations
+from tasks.schema import CALIBRATION_METHODS
 
 STAGE = "calibrate"
-METHODS = {"entropy": "Entropy", "minmax": "MinMax", "percentile": "Percentile"}
+METHODS = dict(zip(CALIBRATION_METHODS, ("Entropy", "MinMax", "Percentile")))  # -> ONNX Runtime's CalibrationMethod
 DEFAULT_METHOD = {"int8": "entropy", "fp8": "minmax"}  # minmax with symmetric ranges = amax
 HIST_BINS = 2048
 ENTROPY_QUANT_BINS = 128  # int8 levels of |x| (TensorRT's entropy calibrator)

@@ -33,7 +33,7 @@ from typing import Any
 
 from tasks.graph.flops import conv_flops, deconv_flops, matmul_flops, pool_flops
 
-PRECISIONS = ("fp32", "fp16", "int8", "fp8")
+from tasks.schema import PRECISIONS
 MATMUL_KINDS = ("CONVOLUTION", "DECONVOLUTION", "MATRIX_MULTIPLY")
 NO_FLOPS = ("CONSTANT", "SHUFFLE", "SLICE", "CONCATENATION", "GATHER", "CAST", "IDENTITY", "QUANTIZE", "DEQUANTIZE",
             "SHAPE", "ASSERTION", "PADDING", "SCATTER", "FILL", "CONDITION", "CONDITIONAL_INPUT", "CONDITIONAL_OUTPUT",

@@ -48,6 +48,8 @@ def test_composition_errors_name_the_key_and_suggest(overrides, words):
     (["model=tiny", "model.source=/does/not/exist.onnx"], "file not found"),
     (["model=tiny", "calibration.method=kl"], "entropy, minmax or percentile"),
     (["model=tiny", "model.asymmetric=uint8"], "use exact, int8 or float"),
+    (["model=tiny", "model.format=tf"], "model.format='tf' is not supported"),
+    (["model=tiny", "model.reference=float"], "use shipped or dequantized"),
     (["model=tiny", "validation.data=/no/such/data.npz"], "validation.data"),
 ])
 def test_bad_input_is_refused_before_heavy_work(overrides, words, user_config_dir):
@@ -144,3 +146,12 @@ def test_the_build_key_includes_the_constants(if_conf):
 
     keys = {build_key(compose_config(["model=vad", *o], if_conf), if_conf) for o in ([], ["model.constants.mode=8000"])}
     assert len(keys) == 2
+
+
+def test_the_declared_values_are_the_ones_preflight_names():
+    """Each key with a fixed set of values declares it once in the schema; preflight's message lists exactly those."""
+    from tasks.schema import CALIBRATION_METHODS, PRECISIONS, choices_of
+    from tasks.quantization.ranges import METHODS
+
+    assert choices_of("calibration.method") == CALIBRATION_METHODS == tuple(METHODS)
+    assert choices_of("precision.name") == PRECISIONS and choices_of("model.name") == ()
