@@ -54,7 +54,7 @@ from tasks.common import write_json  # noqa: E402
 
 @task(task_run_name="{name}", cache_policy=NONE, persist_result=False)
 def stage(name: str) -> None:
-    _current.get().run(name, getattr(stages, name))
+    _current.get().run(name, stages.TABLE[name].run)
 
 
 # the build this flow runs: not a parameter of the flow or its tasks (Prefect walks every parameter of every task run

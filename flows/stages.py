@@ -5,6 +5,7 @@ tasks/partition/segments.py); the context that runs a stage is flows/context.py.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -17,6 +18,7 @@ from tasks.common import SegmentBuildError, StageError, TrtforgeError
 from tasks.sources import constants_text
 from tasks.partition import REDUCE_BUILD_SECONDS
 from tasks.common import StageResult, sha256_file
+from tasks.schema import STAGES
 
 def file_hash(result: StageResult, name: str) -> str:
     return result.details.get(f"{name}_sha256") or sha256_file(result.files[name])
@@ -34,9 +36,8 @@ def export(ctx: BuildContext) -> StageResult:
     from tasks.sources import onnx_from_model, source_fingerprint
 
     m, profiles = ctx.c("model"), ctx.inputs.profiles
-    parts = {"source": source_fingerprint(m, ctx.inputs.search), "format": m["format"], "factory": m["factory"],
-             "inputs": m["inputs"], "opset": m["opset"], "profiles": profiles if m["format"] == "torch" else None,
-             "dequantize_dynamic": m["dequantize_dynamic"], "asymmetric": m["asymmetric"]}
+    parts = key_parts(ctx, "export", source=source_fingerprint(m, ctx.inputs.search),
+                      profiles=profiles if m["format"] == "torch" else None)
     if m["constants"]:  # bound inputs; dims every profile fixes are pinned for the folds
         parts.update(constants=m["constants"], profiles=profiles)
 
@@ -63,9 +64,9 @@ def partition(ctx: BuildContext, partition_cfg: dict | None = None) -> StageResu
     from tasks.partition import plan_from_onnx
 
     onnx_r, i = ctx.results["export"], ctx.inputs
-    partition_cfg = partition_cfg or ctx.c("partition")
-    parts = {"onnx": file_hash(onnx_r, "onnx"), "partition": partition_cfg, "backend": ctx.backend.version,
-             "profiles": i.profiles}
+    parts = key_parts(ctx, "partition", onnx=file_hash(onnx_r, "onnx"), backend=ctx.backend.version, profiles=i.profiles,
+                      **({"partition": partition_cfg} if partition_cfg else {}))
+    partition_cfg = parts["partition"]
 
     def work(d: Path) -> StageResult:
         # min/opt/max inputs per profile: running the native part on them gives the boundary tensors' profiles
@@ -187,9 +188,9 @@ def _build_engines(ctx: BuildContext) -> StageResult:
     judge = search_judge(ctx, segs, None, stage="build") if held is not None else None
     target = (search_target(ctx.cfg.accuracy.min_cosine, ctx.cfg.calibration.budget_margin) if judge.name == "cosine"
               else judge.target) if judge is not None else None
-    parts = {"segments": [(sha256_file(s["onnx"]), s["profiles"]) for s in segs], "precision": precision, "label": label,
-             "build": ctx.c("build"), "backend": ctx.backend.version, "compute_capability": t.compute_capability,
-             "range_data": ranged.key if ranged else None, "search": held.key if held else None, "target": target}
+    parts = key_parts(ctx, "build", segments=[(sha256_file(s["onnx"]), s["profiles"]) for s in segs], precision=precision,
+                      label=label, backend=ctx.backend.version, range_data=ranged.key if ranged else None,
+                      search=held.key if held else None, target=target)
     if judge is not None and judge.name != "cosine":  # the user's metric decides the stopping point
         parts["metric"] = {"settings": judge.metric.settings(), "target": judge.target, **(metric_fingerprint(ctx) or {})}
 
@@ -274,7 +275,7 @@ def fp16_search_due(ctx: BuildContext) -> bool:
 
 def calibrate(ctx: BuildContext) -> StageResult | None:
     """int8/fp8: the Q/DQ graph of each TensorRT segment (target-independent, cached across targets), then its engine."""
-    p, c = ctx.cfg.precision, ctx.cfg.calibration
+    p = ctx.cfg.precision
     if not p.quantized:
         raise Skip(f"precision {p.name} needs no calibration")
     if prequantized(ctx):
@@ -299,9 +300,8 @@ def _calibrate(ctx: BuildContext) -> StageResult:
     judge = search_judge(ctx, segs, judged) if c.search else None
     if judge is not None and judge.name != "cosine":
         target = judge.target
-    q_parts = {"segments": [sha256_file(s["onnx"]) for s in segs], "calibration": cal.key,
-               "search": held.key if held else None, "method": c.method, "precision": p.name, "min_cosine": target,
-               "fp16_data_max": ctx.cfg.build.fp16_data_max}
+    q_parts = key_parts(ctx, "calibrate-qdq", segments=[sha256_file(s["onnx"]) for s in segs], calibration=cal.key,
+                        search=held.key if held else None, min_cosine=target)
     if judge is not None and judge.name != "cosine":  # the user's metric decides the stopping point
         q_parts["metric"] = {"settings": judge.metric.settings(), "target": judge.target, **(metric_fingerprint(ctx) or {})}
     through = bool(plan.get("hybrid")) and c.search  # a split model: candidates judged through the rest of it
@@ -326,9 +326,8 @@ def _calibrate(ctx: BuildContext) -> StageResult:
         return r
 
     q = ctx.cached("calibrate", q_parts, quantize, entry="calibrate-qdq", data=True)
-    t = ctx.cfg.target
-    e_parts = {"qdq": [sha256_file(q.files[f"qdq{s['index']}"]) for s in segs], "profiles": [s["profiles"] for s in segs],
-               "build": ctx.c("build"), "backend": ctx.backend.version, "compute_capability": t.compute_capability}
+    e_parts = key_parts(ctx, "calibrate-engine", qdq=[sha256_file(q.files[f"qdq{s['index']}"]) for s in segs],
+                        profiles=[s["profiles"] for s in segs], backend=ctx.backend.version)
 
     e = ctx.cached("calibrate", e_parts, lambda d: engines_for(ctx, segs, {s["index"]: q.files[f"qdq{s['index']}"]
                                                                        for s in segs}, p.name, p.name, d, "calibrate"),
@@ -496,11 +495,10 @@ def validate(ctx: BuildContext) -> StageResult:
     segs = {s["index"]: s["onnx"] for s in trt_segments(ctx)}
     candidates = engines_of(cand)
     identical = not shipped and all(same_graph(o, segs[i]) for i, _, o in candidates)
-    parts = {"reference": sha256_file(reference), "candidate": [sha256_file(o) for _, _, o in candidates],
-             "plan": sha256_file(ctx.results["partition"].files["partition"]), "data": val.key,
-             "min_cosine": ctx.cfg.accuracy.min_cosine, "precision": ctx.cfg.precision.name,  # in the result's labels
-             "engines": [sha256_file(e) for _, e, _ in candidates] if engine_reason is None else None,
-             "dequantized": file_hash(ref, "onnx") if shipped and dequantized else None}
+    parts = key_parts(ctx, "validate", reference=sha256_file(reference), candidate=[sha256_file(o) for _, _, o in candidates],
+                      plan=sha256_file(ctx.results["partition"].files["partition"]), data=val.key,
+                      engines=[sha256_file(e) for _, e, _ in candidates] if engine_reason is None else None,
+                      dequantized=file_hash(ref, "onnx") if shipped and dequantized else None)
     metric = accuracy_metric(ctx)
     if metric.name != "cosine" or metric.gate_logits:  # what decides the verdict (a user function: its module too)
         parts["metric"] = {"settings": metric.settings(), **(metric_fingerprint(ctx) or {})}
@@ -568,9 +566,9 @@ def benchmark(ctx: BuildContext) -> StageResult:
     gpu, bench, hybrid = trt_backend.gpu_for(cc), ctx.c("benchmark"), ctx.results["partition"].details.get("hybrid")
     build_metrics = {k: ctx.metrics[k] for k in ("engine_bytes", "build_seconds", "baseline_engine_bytes",
                                                  "baseline_build_seconds") if k in ctx.metrics}
-    parts = {"onnx": file_hash(ref, "onnx"), "bench": bench, "host": host_info(), "gpu": gpu and gpu.name,
-             "shape": {n: list(r["opt"]) for n, r in opt.items()},
-             "engines": [sha256_file(e) for _, e, _ in engines_of(eng_r)] if gpu else None}
+    parts = key_parts(ctx, "benchmark", onnx=file_hash(ref, "onnx"), host=host_info(), gpu=gpu and gpu.name,
+                      shape={n: list(r["opt"]) for n, r in opt.items()},
+                      engines=[sha256_file(e) for _, e, _ in engines_of(eng_r)] if gpu else None)
     cache = runtime_cache_file(ctx.cfg.cache_dir, ctx.cfg.target.name, ctx.backend.version)
 
     def work(d: Path) -> StageResult:  # the input is made here: a cached timing needs none
@@ -591,3 +589,37 @@ def benchmark(ctx: BuildContext) -> StageResult:
                                None if gpu else trt_backend.no_gpu_reason(cc) + "; engine timing needs that GPU", extra)
 
     return ctx.cached("benchmark", parts, work)
+
+
+# --- the stage table ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Stage:
+    """A row of the stage table: the stage's name, per cache entry it keeps the config values its key holds (the key's
+    part -> the config key; the rest of the key is what the stage computes), and the function that runs it."""
+    name: str
+    keys: dict[str, dict[str, str]]
+    run: Callable[[BuildContext], StageResult | None]
+
+
+_ENGINE_KEYS = {"build": "build", "compute_capability": "target.compute_capability"}
+TABLE: dict[str, Stage] = {s.name: s for s in (
+    Stage("export", {"export": {"format": "model.format", "factory": "model.factory", "inputs": "model.inputs",
+                                "opset": "model.opset", "dequantize_dynamic": "model.dequantize_dynamic",
+                                "asymmetric": "model.asymmetric"}}, export),
+    Stage("partition", {"partition": {"partition": "partition"}}, partition),  # a re-plan keys its own settings
+    Stage("build", {"build": _ENGINE_KEYS}, build),
+    Stage("calibrate", {"calibrate-qdq": {"method": "calibration.method", "precision": "precision.name",
+                                          "fp16_data_max": "build.fp16_data_max"},
+                        "calibrate-engine": _ENGINE_KEYS}, calibrate),
+    Stage("validate", {"validate": {"min_cosine": "accuracy.min_cosine",
+                                    "precision": "precision.name"}}, validate),  # precision: in the result's labels
+    Stage("benchmark", {"benchmark": {"bench": "benchmark"}}, benchmark),
+)}
+assert tuple(TABLE) == STAGES, "the stage table runs the stages of tasks/schema.py in their order"
+_ENTRY_KEYS = {entry: keys for s in TABLE.values() for entry, keys in s.keys.items()}
+
+
+def key_parts(ctx: BuildContext, entry: str, **computed) -> dict:
+    """The key of a cache entry: its config values by the stage table, and what the stage computed (which wins)."""
+    return {**{part: ctx.c(key) for part, key in _ENTRY_KEYS[entry].items()}, **computed}

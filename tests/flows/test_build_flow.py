@@ -504,3 +504,17 @@ def test_a_segment_the_builder_refuses_falls_back_to_onnx_runtime(prefect_harnes
     strict = build(["model=topk", "precision=fp16", "stages.benchmark=false", "partition.build_fallback=false"], d,
                    tmp_path / "b")
     assert strict["status"] == "failed" and "3840" in strict["error"]
+
+
+def test_the_stage_table_runs_the_schema_stages_and_names_config_keys():
+    """One row per stage of tasks/schema.py, in order; every config key a cache key holds is a key of the config."""
+    from omegaconf import OmegaConf
+
+    from flows.stages import TABLE
+    from tasks.schema import STAGES
+
+    assert tuple(TABLE) == STAGES and all(callable(s.run) for s in TABLE.values())
+    cfg = compose_config([])
+    missing = [key for s in TABLE.values() for keys in s.keys.values() for key in keys.values()
+               if OmegaConf.select(cfg, key, default="<absent>") == "<absent>"]
+    assert not missing, missing
