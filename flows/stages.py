@@ -1,7 +1,9 @@
-"""The glue between the flow and the pure stages in tasks/: per stage, what its cache key holds, which task function
-it calls, and what it records. Policy lives in tasks/ (the data split in tasks/data/datasets.py, the search target in
-tasks/search/restore.py, the verdict in tasks/evaluate/validate.py, control-flow fallback in tasks/partition/partition.py, segment composition in
-tasks/partition/segments.py); the context that runs a stage is flows/context.py."""
+"""The glue between the flow and the pure stages in tasks/: per stage, what its cache key holds (the stage table at the
+end names its config values), which task function it calls, and what it records. Policy and the words a stage says
+live in tasks/ (the data split in tasks/data/datasets.py, the search's goal in tasks/search/goal.py, the verdict in
+tasks/evaluate/validate.py, control-flow fallback in tasks/partition/partition.py, segment composition in
+tasks/partition/segments.py, the warnings and notes in each subject's notes.py); the context that runs a stage is
+flows/context.py."""
 from __future__ import annotations
 
 import contextlib
@@ -15,10 +17,16 @@ from flows.runners import candidate_runner, deliverable
 from tasks.trt import backend as trt_backend
 from tasks.build import engines_of, same_graph
 from tasks.common import SegmentBuildError, StageError, TrtforgeError
-from tasks.sources import constants_text
 from tasks.partition import REDUCE_BUILD_SECONDS
 from tasks.common import StageResult, sha256_file
 from tasks.schema import STAGES
+
+
+def warn_all(ctx: BuildContext, stage: str, warnings: list[str]) -> None:
+    """What a task function said (warnings come back from tasks/ as data), recorded on the stage's entry."""
+    for w in warnings:
+        ctx.warn(stage, w)
+
 
 def file_hash(result: StageResult, name: str) -> str:
     return result.details.get(f"{name}_sha256") or sha256_file(result.files[name])
@@ -51,11 +59,8 @@ def export(ctx: BuildContext) -> StageResult:
         from tasks.prequant import weight_only_note
         ctx.stages.setdefault("export", {})["note"] = weight_only_note(r.details["weight_only"])
     if m["constants"]:
-        ctx.warn("export", f"the engine is specialised for {constants_text(m['constants'])} (model.constants): those inputs "
-                           "are gone, and the fp32 reference is the model with them bound")
-        for n in r.details.get("constants", []):
-            if n.startswith("WARNING: "):
-                ctx.warn("export", n[len("WARNING: "):])
+        from tasks.sources import constants_warnings
+        warn_all(ctx, "export", constants_warnings(m["constants"], r.details.get("constants", [])))
     return r
 
 
@@ -75,8 +80,7 @@ def partition(ctx: BuildContext, partition_cfg: dict | None = None) -> StageResu
         return plan_from_onnx(onnx_r.files["onnx"], partition_cfg, ctx.backend, d, feeds)
 
     r = ctx.cached("partition", parts, work)
-    for w in r.details.get("warnings", []):
-        ctx.warn("partition", w)
+    warn_all(ctx, "partition", r.details.get("warnings", []))
     return r
 
 
@@ -95,13 +99,11 @@ def build(ctx: BuildContext) -> StageResult:
     A segment TensorRT cannot build runs what fails in ONNX Runtime, re-planned and said (tasks.partition.partition.build_fallback).
     int8/fp8: built only where the benchmark times the quantized engine against it (a GPU of the target's compute
     capability); elsewhere calibrate's engine build is the one that re-plans."""
-    if ctx.cfg.precision.quantized and not prequantized(ctx) and not baseline_timed(ctx):
-        raise Skip(f"{ctx.cfg.precision.name}: the engine that ships is built in calibrate; the {ctx.cfg.precision.baseline} "
-                   f"baseline engine is built only to time {ctx.cfg.precision.name} against it on a GPU of compute "
-                   f"capability {ctx.cfg.target.compute_capability} (benchmark), and "
-                   + ("stages.benchmark=false" if not ctx.cfg.stages.benchmark else
-                      "a hybrid model is timed end to end" if ctx.results["partition"].details.get("hybrid") else
-                      trt_backend.no_gpu_reason(ctx.cfg.target.compute_capability)))
+    p = ctx.cfg.precision
+    if p.quantized and not prequantized(ctx) and not baseline_timed(ctx):
+        from tasks.build import baseline_skip_reason
+        raise Skip(baseline_skip_reason(p.name, p.baseline, ctx.cfg.target.compute_capability,
+                                        bool(ctx.cfg.stages.benchmark), bool(ctx.results["partition"].details.get("hybrid"))))
     return with_replans(ctx, lambda: _build_engines(ctx))
 
 
@@ -170,7 +172,6 @@ def _build_engines(ctx: BuildContext) -> StageResult:
     from tasks.graph import load_onnx
     from tasks.fp16 import fp16_hazards_from_data
     from tasks.prequant import precision_for
-    from tasks.accuracy import search_target
     from tasks.partition import all_segment_feeds
 
     t, q = ctx.cfg.target, prequantized(ctx)  # a quantized model keeps it; its float part is what precision says
@@ -185,14 +186,13 @@ def _build_engines(ctx: BuildContext) -> StageResult:
     # judged by accuracy.metric as the int8 search judges (cosine: pooled, less one standard error, which already widens
     # for few samples): the margin as given, not grown for few samples (a static profile's generated search set is one
     # sample: the grown margin asked for cosine 1.0)
-    judge = search_judge(ctx, segs, None, stage="build") if held is not None else None
-    target = (search_target(ctx.cfg.accuracy.min_cosine, ctx.cfg.calibration.budget_margin) if judge.name == "cosine"
-              else judge.target) if judge is not None else None
+    goal = search_goal(ctx, segs, None, stage="build") if held is not None else None
+    target = goal.target if goal is not None else None
     parts = key_parts(ctx, "build", segments=[(sha256_file(s["onnx"]), s["profiles"]) for s in segs], precision=precision,
                       label=label, backend=ctx.backend.version, range_data=ranged.key if ranged else None,
                       search=held.key if held else None, target=target)
-    if judge is not None and judge.name != "cosine":  # the user's metric decides the stopping point
-        parts["metric"] = {"settings": judge.metric.settings(), "target": judge.target, **(metric_fingerprint(ctx) or {})}
+    if goal is not None and goal.by_metric:  # the user's metric decides the stopping point
+        parts["metric"] = metric_part(ctx, goal.judge.metric, target=goal.judge.target)
 
     def work(d: Path) -> StageResult:  # values beyond fp16's safe range: one run of the whole model (segments keep names)
         keep, cancel, tiny = fp16_hazards_from_data(load_onnx(ctx.results["export"].files["onnx"]), ranged.feeds,
@@ -205,7 +205,7 @@ def _build_engines(ctx: BuildContext) -> StageResult:
             if held is None:
                 return None
             return {"feeds": held_feeds.get(i, []), "target": target, "samples_text":
-                    f"held-out samples ({held.source})", "budget": ctx.cfg.accuracy.min_cosine, "metric": judge}
+                    f"held-out samples ({held.source})", "budget": ctx.cfg.accuracy.min_cosine, "metric": goal.judge}
 
         convs = {s["index"]: onnx_at_precision(s["onnx"], precision, d / f"{ctx.cfg.model.name}.{t.name}.{label}{s['name']}.onnx",
                                                keep, cancel, tiny, search(s["index"])) for s in segs}
@@ -220,41 +220,24 @@ def _build_engines(ctx: BuildContext) -> StageResult:
         return r
 
     r = ctx.cached("build", parts, work, data=ranged is not None)
-    if ranged is not None and ranged.kind == "random":
-        ctx.warn("build", "the fp16 range check (which nodes stay fp32) ran on random inputs inside the profiles: give "
-                          "calibration.data or validation.data at the model's real input scale")
-    kept = sum(len(c.get("data_range") or {}) for c in r.details.get("conversion", []))
-    if kept:
-        ctx.warn("build", f"{kept} nodes kept in fp32: their values exceed fp16's safe range (|x| > "
-                          f"build.fp16_data_max={ctx.cfg.build.fp16_data_max:g}) on {ranged.source}")
-    flushed = sum(len(c.get("data_underflow") or {}) for c in r.details.get("conversion", []))
-    if flushed:
-        ctx.warn("build", f"{flushed} nodes kept in fp32: their values lie below fp16's normal range (|x| < 6.1e-5, "
-                          f"where fp16's subnormals would leave them over 1% off) on {ranged.source}")
-    for c in r.details.get("conversion", []):
-        if c.get("fp16_search_skipped"):
-            ctx.warn("build", f"the fp16 accuracy search did not run: {c['fp16_search_skipped']}")
-    found = [c["fp16_search"] for c in r.details.get("conversion", []) if c.get("fp16_search")]
-    kept_by_search = {n: v for f in found for n, v in f["kept"].items()}
-    if kept_by_search:
-        worst = sorted(kept_by_search, key=lambda n: -kept_by_search[n])[:5]
-        pooled = "search_cosine_bound" in r.metrics
-        after = r.metrics["search_cosine_bound" if pooled else "search_score_worst_feed"]
-        ctx.stages.setdefault("build", {})["note"] = (
-            f"fp16 accuracy search: {len(kept_by_search)} node{'s' if len(kept_by_search) > 1 else ''} kept in fp32 "
-            f"({', '.join(worst)}{' …' if len(kept_by_search) > 5 else ''}): {found[0]['search_statistic']} "
-            f"{min(f['bound_fp16'] for f in found):.6f} -> {after:.6f} (target {target:.6g}"
-            f"{'' if pooled else f', accuracy.metric={judge.name}'}, {r.metrics['search_samples']} held-out samples of "
-            f"{held.source}, disjoint from validation's; onnxruntime emulation of fp16)")
-    cancelled = [c.get("cancellation") or {} for c in r.details.get("conversion", [])]
-    if any(cancelled):
-        worst = max(v for c in cancelled for v in c.values())
-        ctx.warn("build", f"{sum(map(len, cancelled))} nodes kept in fp32: they compute subtractions of nearly equal "
-                          f"values (x - mean far from zero, a variance as E[x^2] - E[x]^2) that fp16 operands would "
-                          f"leave up to {worst:.0%} off (estimated on {ranged.source})")
+    _say_fp16(ctx, r, ranged, goal, held)
     if ctx.cfg.precision.quantized and not prequantized(ctx):  # the entry is shared with the fp16/fp32 build
         r = StageResult(files=r.files, metrics=as_baseline(r.metrics), details=r.details, origin=r.origin)
     return r
+
+
+def _say_fp16(ctx: BuildContext, r: StageResult, ranged, goal, held) -> None:
+    """The build's fp16 warnings and the note on what its accuracy search kept (tasks/fp16/notes.py)."""
+    from tasks.fp16 import fp16_build_warnings, fp16_cancellation_warning, fp16_search_note
+
+    conversions = r.details.get("conversion", [])
+    warn_all(ctx, "build", fp16_build_warnings(conversions, ranged, ctx.cfg.build.fp16_data_max))
+    note = fp16_search_note(conversions, r.metrics, goal and goal.target, goal and goal.judge.name, held and held.source)
+    if note:
+        ctx.stages.setdefault("build", {})["note"] = note
+    cancelled = fp16_cancellation_warning(conversions, ranged)
+    if cancelled:
+        ctx.warn("build", cancelled)
 
 
 def fp16_searchable(ctx: BuildContext) -> bool:
@@ -287,23 +270,22 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
 
 def _calibrate(ctx: BuildContext) -> StageResult:
     """calibrate on the current plan (with_replans tries again on a new plan where TensorRT cannot build a segment)."""
-    from tasks.quantization import judge_feeds_of, low_share_warning, qdq_for_segments
-    from tasks.accuracy import judged_samples, search_target
+    from tasks.quantization import judge_feeds_of, low_share_warning, qdq_for_segments, unreached_warning
+    from tasks.accuracy import judged_samples
     from tasks.partition import Rest, segment_feeds
+    from tasks.prequant import float_weight_segments, restore_weight_scales, weight_only_weights, weight_scales_note
 
     p, c = ctx.cfg.precision, ctx.cfg.calibration
     cal, held = ctx.data.calibration, ctx.data.search
     segs, plan, model = trt_segments(ctx), ctx.results["partition"].details, ctx.results["export"].files["onnx"]
     # the margin grows when few samples judge the search (held-out and calibration samples, tasks.search.restore.judged_samples)
     judged = judged_samples(held.samples if held else 0, cal.samples)
-    target = search_target(ctx.cfg.accuracy.min_cosine, c.budget_margin, judged) if c.search else None
-    judge = search_judge(ctx, segs, judged) if c.search else None
-    if judge is not None and judge.name != "cosine":
-        target = judge.target
+    goal = search_goal(ctx, segs, judged) if c.search else None
+    target = goal.target if goal is not None else None
     q_parts = key_parts(ctx, "calibrate-qdq", segments=[sha256_file(s["onnx"]) for s in segs], calibration=cal.key,
                         search=held.key if held else None, min_cosine=target)
-    if judge is not None and judge.name != "cosine":  # the user's metric decides the stopping point
-        q_parts["metric"] = {"settings": judge.metric.settings(), "target": judge.target, **(metric_fingerprint(ctx) or {})}
+    if goal is not None and goal.by_metric:  # the user's metric decides the stopping point
+        q_parts["metric"] = metric_part(ctx, goal.judge.metric, target=goal.judge.target)
     through = bool(plan.get("hybrid")) and c.search  # a split model: candidates judged through the rest of it
     if through:
         q_parts["through"] = sha256_file(ctx.results["partition"].files["partition"])
@@ -313,16 +295,16 @@ def _calibrate(ctx: BuildContext) -> StageResult:
             return sample_progress(f"calibrating ({c.method or 'default method'}, segment {seg})", ctx.show_progress)
         # weight-only quantized weights: calibration quantizes float weights, then the model's own codes and scales
         # go back where a layer's weight was quantized per output channel (tasks.prequant.weight_only)
-        shipped = _float_weight_segments(segs, d) if weight_only(ctx) else {}
+        shipped = float_weight_segments(segs, d) if weight_only_weights(ctx.results["export"].details) else {}
         rest = Rest(model, plan, ctx.results["partition"].files, [o["name"] for o in ctx.results["export"].details["outputs"]],
                     judge_feeds_of(cal.feeds, held.feeds if held else None)) if through else None
         r = qdq_for_segments([{**s, "onnx": shipped[s["index"]][0]} if s["index"] in shipped else s for s in segs],
                              lambda i: segment_feeds(model, plan, i, cal.feeds),
                              (lambda i: segment_feeds(model, plan, i, held.feeds)) if held else None, d,
                              method=c.method, precision=p.name, min_cosine=target, progress=progress,
-                             data_max=ctx.cfg.build.fp16_data_max, metric=judge, rest=rest)
+                             data_max=ctx.cfg.build.fp16_data_max, metric=goal and goal.judge, rest=rest)
         if shipped:
-            r.details["weight_scales_kept"] = _keep_weight_scales(r, shipped)
+            r.details["weight_scales_kept"] = restore_weight_scales(r.files, shipped)
         return r
 
     q = ctx.cached("calibrate", q_parts, quantize, entry="calibrate-qdq", data=True)
@@ -334,22 +316,13 @@ def _calibrate(ctx: BuildContext) -> StageResult:
                    entry="calibrate-engine")
     kept = q.details.get("weight_scales_kept")
     if kept:
-        ctx.stages.setdefault("calibrate", {})["note"] = (
-            f"weight-only quantized model: activations calibrated; the model's own int8 weights and scales kept for "
-            f"{kept['restored']} of its {kept['weights']} weights" + ("" if kept["restored"] == kept["weights"] else
-                                                                     " (the others are float: another axis or shape)"))
+        ctx.stages.setdefault("calibrate", {})["note"] = weight_scales_note(kept)
     files = {**e.files, **{f"onnx{s['index']}": q.files[f"qdq{s['index']}"] for s in segs},
              **{k: v for k, v in q.files.items() if k.startswith("sensitivity")}}
     details = {"engines": [{**x, "onnx": q.files[f"qdq{x['segment']}"].name} for x in e.details["engines"]],
                "quantization": q.details}
-    note = low_share_warning(q.details["segments"], p.name)
-    if note:
-        ctx.warn("calibrate", note)
-    unreached = [n for seg in q.details["segments"] for n in seg.get("unreached_by_data") or []]
-    if unreached:
-        ctx.warn("calibrate", f"{len(unreached)} layer{'s' if len(unreached) > 1 else ''} left unquantized: no "
-                              f"calibration sample reaches {'them' if len(unreached) > 1 else 'it'} (computed from "
-                              f"constants alone: {', '.join(unreached[:4])}{' …' if len(unreached) > 4 else ''})")
+    warn_all(ctx, "calibrate", [w for w in (low_share_warning(q.details["segments"], p.name),
+                                            unreached_warning(q.details["segments"])) if w])
     return StageResult(files=files, metrics={**q.metrics, **e.metrics}, details=details)
 
 
@@ -360,102 +333,25 @@ def accuracy_metric(ctx: BuildContext):
     return from_config(ctx.cfg.accuracy, ctx.inputs.search)
 
 
-def metric_fingerprint(ctx: BuildContext) -> dict | None:
+def metric_part(ctx: BuildContext, metric, **extra) -> dict:
+    """The part of a cache key for the metric that decides: its settings (and ``extra``: the search's target) and, for
+    a user function, its module's fingerprint."""
     from tasks.accuracy import fingerprint
 
-    return fingerprint(ctx.cfg.accuracy, ctx.inputs.search)
+    return {"settings": metric.settings(), **extra, **(fingerprint(ctx.cfg.accuracy, ctx.inputs.search) or {})}
 
 
-def search_judge(ctx: BuildContext, segs: list[dict], samples: int | None, stage: str = "calibrate"):
-    """What the accuracy search (int8's in calibrate, fp16's in build) judges with: the user's metric when it judges
-    the model's own outputs: int8's always (a segment of a split model is judged through the rest of it), fp16's when
-    the one TensorRT segment computes the model's outputs from its inputs; else (fp16 of a model split into segments)
-    the cosine of each segment's outputs, said once. ``samples``: how many judge it (the margin grows below 8; None:
-    the margin as given)."""
-    from tasks.graph import graph_io
-    from tasks.graph import load_onnx
-    from tasks.accuracy import search_target
+def search_goal(ctx: BuildContext, segs: list[dict], samples: int | None, stage: str = "calibrate"):
+    """The judge and target of the accuracy search (int8's in calibrate, fp16's in build; tasks/search/goal.py);
+    ``samples``: how many judge it (None: the margin as given). What it says is said once by ``stage``."""
+    from tasks.search import search_goal as goal_of
 
-    metric = accuracy_metric(ctx)
-    margin = search_target(0.0, ctx.cfg.calibration.budget_margin, samples)  # the share of the error held in reserve
-    if metric.name == "cosine" or stage == "calibrate":
-        return metric.judge(margin)
-    ins, outs = graph_io(load_onnx(segs[0]["onnx"])) if len(segs) == 1 else ([], [])
-    model_outs = [o["name"] for o in ctx.results["export"].details["outputs"]]
-    if len(segs) == 1 and sorted(o.name for o in outs) == sorted(model_outs) and \
-            not ctx.results["partition"].details.get("hybrid"):
-        return metric.judge(margin)
-    ctx.warn(stage, f"the model runs in {len(segs)} TensorRT segment(s) with parts in ONNX Runtime: the accuracy "
-                          f"search judges each segment's own outputs by cosine (accuracy.min_cosine); "
-                          f"accuracy.metric={metric.name} gates validate")
-    from tasks.accuracy import Metric
-    return Metric(min_cosine=ctx.cfg.accuracy.min_cosine).judge(margin)
-
-
-def logit_runners(ctx: BuildContext, reference: Path, candidates: list, identical: bool) -> dict | None:
-    """For outputs from a final Softmax/Sigmoid/LogSoftmax: runners of the reference and candidate graphs that also
-    return the logits (the op's input), or the reason the candidate's cannot be read."""
-    from tasks.accuracy import final_activations, with_outputs
-
-    finals = final_activations(reference)
-    if not finals or identical:
-        return None
-    names = [f["logits"] for f in finals.values()]
-    if len(candidates) != 1 or ctx.results["partition"].details.get("hybrid"):
-        return {"finals": finals, "reason": "the model runs in several segments: its logits are not one graph's values"}
-    from tasks.onnxrt import precision_runner
-    from tasks.onnxrt import ort_runner
-    from tasks.graph import load_onnx
-
-    cand = load_onnx(candidates[0][2])
-    values = {o for n in cand.graph.node for o in n.output}
-    missing = [n for n in names if n not in values]
-    if missing:
-        return {"finals": finals, "reason": f"the candidate graph has no tensor {missing[0]!r} (renamed by its conversion)"}
-    ref_run = ort_runner(with_outputs(reference, names).SerializeToString(), stage="validate")
-    cand_run = precision_runner(with_outputs(cand, names))[0]
-    return {"finals": finals, "reference": lambda f: {k: v for k, v in ref_run(f).items() if k in names},
-            "candidate": lambda f: {k: v for k, v in cand_run(f).items() if k in names}}
-
-
-def weight_only(ctx: BuildContext) -> int:
-    """How many weight-only quantized weights the graph TensorRT gets has (int8 constant -> DequantizeLinear)."""
-    return int((ctx.results["export"].details.get("prequantized") or {}).get("weight_only") or 0)
-
-
-def _float_weight_segments(segs: list[dict], d: Path) -> dict[int, tuple[Path, dict]]:
-    """Each segment with weight-only DequantizeLinear nodes, its weights folded to float (for calibration): index ->
-    (ONNX file, the model's codes and scales by weight)."""
-    from tasks.graph import save_onnx
-    from tasks.graph import load_onnx
-    from tasks.prequant import float_weights
-
-    out = {}
-    for s in segs:
-        m = load_onnx(s["onnx"])
-        kept = float_weights(m)
-        if kept:
-            path = d / f"float_weights{s['index']}.onnx"
-            save_onnx(m, path)
-            out[s["index"]] = (path, kept)
-    return out
-
-
-def _keep_weight_scales(r: StageResult, shipped: dict[int, tuple[Path, dict]]) -> dict:
-    """The model's own int8 weights back into each quantized segment; {"restored": n, "weights": n}."""
-    from tasks.graph import save_onnx
-    from tasks.graph import load_onnx
-    from tasks.prequant import keep_weight_scales
-
-    restored = 0
-    for i, (path, kept) in shipped.items():
-        m = load_onnx(r.files[f"qdq{i}"])
-        n = keep_weight_scales(m, kept)
-        if n:
-            save_onnx(m, r.files[f"qdq{i}"])
-        restored += n
-        path.unlink(missing_ok=True)
-    return {"restored": restored, "weights": sum(len(k) for _, k in shipped.values())}
+    goal = goal_of(accuracy_metric(ctx), ctx.cfg.accuracy.min_cosine, ctx.cfg.calibration.budget_margin, samples,
+                   segs if stage == "build" else None, [o["name"] for o in ctx.results["export"].details["outputs"]],
+                   bool(ctx.results["partition"].details.get("hybrid")))
+    if goal.warning:
+        ctx.warn(stage, goal.warning)
+    return goal
 
 
 def engines_for(ctx: BuildContext, segs: list[dict], graphs: dict[int, Path], label: str, precision: str, d: Path,
@@ -473,20 +369,13 @@ def validate(ctx: BuildContext) -> StageResult:
     from tasks.quantization import search_fix
     from tasks.onnxrt import emulation_label
     from tasks.prequant import accuracy_fix
-    from tasks.evaluate import gate, validate_onnx
+    from tasks.evaluate import gate, logit_runners, validate_onnx, validation_reference
 
     if not ctx.cfg.stages.validate:
         raise Skip("disabled (stages.validate=false)")
     ref, cand, val = ctx.results["export"], deliverable(ctx), ctx.data.validation
-    # a pre-quantized model: as shipped, in ONNX Runtime; a dynamically quantized one built dequantized may be validated
-    # against its float form instead (model.reference=dequantized: what the engine computes, chosen knowingly)
-    shipped = "reference" in ref.files and ctx.cfg.model.reference == "shipped"
-    dequantized = bool((ref.details.get("prequantized") or {}).get("dequantized_dynamic"))
-    reference = ref.files["reference"] if shipped else ref.files["onnx"]
-    reference_label = "the model as shipped" if shipped else (
-        "its dequantized float form (model.reference=dequantized)" if "reference" in ref.files else "fp32")
-    if ctx.cfg.model.constants:
-        reference_label += f" with {constants_text(ctx.c('model.constants'))} bound (model.constants)"
+    against = validation_reference(ref.files, ref.details, ctx.cfg.model.reference, ctx.c("model.constants"))
+    reference, reference_label, shipped, dequantized = against.path, against.label, against.shipped, against.dequantized
     ctx.stages.setdefault("validate", {})["reference"] = reference_label
     cc = ctx.cfg.target.compute_capability
     gpu = trt_backend.gpu_for(cc) if ctx.cfg.validation.engine else None
@@ -495,13 +384,14 @@ def validate(ctx: BuildContext) -> StageResult:
     segs = {s["index"]: s["onnx"] for s in trt_segments(ctx)}
     candidates = engines_of(cand)
     identical = not shipped and all(same_graph(o, segs[i]) for i, _, o in candidates)
+    hybrid = bool(ctx.results["partition"].details.get("hybrid"))
     parts = key_parts(ctx, "validate", reference=sha256_file(reference), candidate=[sha256_file(o) for _, _, o in candidates],
                       plan=sha256_file(ctx.results["partition"].files["partition"]), data=val.key,
                       engines=[sha256_file(e) for _, e, _ in candidates] if engine_reason is None else None,
                       dequantized=file_hash(ref, "onnx") if shipped and dequantized else None)
     metric = accuracy_metric(ctx)
     if metric.name != "cosine" or metric.gate_logits:  # what decides the verdict (a user function: its module too)
-        parts["metric"] = {"settings": metric.settings(), **(metric_fingerprint(ctx) or {})}
+        parts["metric"] = metric_part(ctx, metric)
     if ctx.cfg.validation.labels:  # the user function's labels=, per validation batch
         parts["labels"] = sha256_file(ctx.cfg.validation.labels)
     label = f"{ctx.cfg.model.name} at {ctx.cfg.precision.name}"
@@ -528,7 +418,7 @@ def validate(ctx: BuildContext) -> StageResult:
                                   emulation=emulation_label(ctx.cfg.precision.name),
                                   engine_device=gpu and f"engine on {gpu.name} (sm {gpu.compute_capability})",
                                   evidence=evidence, fix=fix, metric=metric,
-                                  logits=logit_runners(ctx, reference, candidates, identical), labels=labels)
+                                  logits=logit_runners(reference, candidates, identical, hybrid), labels=labels)
             except TrtforgeError as e:  # the failed verdict is a result too: cached, gated below
                 if getattr(e, "result", None) is None:
                     raise

@@ -4,6 +4,7 @@ from tasks.common.exports import lazy
 __getattr__, __dir__, __all__ = lazy(__name__, {
     "add_metrics": "engines",
     "as_baseline": "engines",
+    "baseline_skip_reason": "notes",
     "build_error": "engines",
     "engine_from_onnx": "engines",
     "engines_for_segments": "engines",

@@ -2,7 +2,10 @@
 from tasks.common.exports import lazy
 
 __getattr__, __dir__, __all__ = lazy(__name__, {
+    "fp16_build_warnings": "notes",
+    "fp16_cancellation_warning": "notes",
     "fp16_from_onnx": "convert",
     "fp16_hazards_from_data": "hazards",
+    "fp16_search_note": "notes",
     "searched_segments": "search",
 })

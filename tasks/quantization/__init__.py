@@ -7,4 +7,5 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "qdq_for_segments": "calibrate",
     "qdq_from_onnx": "calibrate",
     "search_fix": "calibrate",
+    "unreached_warning": "notes",
 })
