@@ -366,10 +366,8 @@ def engines_for(ctx: BuildContext, segs: list[dict], graphs: dict[int, Path], la
 
 def validate(ctx: BuildContext) -> StageResult:
     from tasks.data import describe_thin
-    from tasks.quantization import search_fix
     from tasks.onnxrt import emulation_label
-    from tasks.prequant import accuracy_fix
-    from tasks.evaluate import gate, logit_runners, validate_onnx, validation_reference
+    from tasks.evaluate import gate, logit_runners, validate_onnx, validation_fix, validation_reference
 
     if not ctx.cfg.stages.validate:
         raise Skip("disabled (stages.validate=false)")
@@ -396,10 +394,8 @@ def validate(ctx: BuildContext) -> StageResult:
         parts["labels"] = sha256_file(ctx.cfg.validation.labels)
     label = f"{ctx.cfg.model.name} at {ctx.cfg.precision.name}"
     cal = ctx.results.get("calibrate")
-    fix = accuracy_fix(prequantized(ctx) or {}) if prequantized(ctx) or cal is None else \
-        search_fix(cal.metrics, val.samples, ctx.cfg.calibration.budget_margin, ctx.cfg.calibration.search)
-    if metric.name != "cosine":  # those fixes speak of cosine
-        fix = None
+    fix = validation_fix(prequantized(ctx), None if cal is None else cal.metrics, val.samples,
+                         ctx.cfg.calibration.budget_margin, ctx.cfg.calibration.search, metric.name)
 
     def work(d: Path) -> StageResult:  # the data is made (rendered, read) here: a cached verdict needs none of it
         evidence = [w for w in (describe_thin(val),) if w]

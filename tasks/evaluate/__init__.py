@@ -9,5 +9,6 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "host_info": "benchmark",
     "logit_runners": "logits",
     "validate_onnx": "validate",
+    "validation_fix": "fixes",
     "validation_reference": "reference",
 })
