@@ -3,7 +3,10 @@ end names its config values), which task function it calls, and what it records.
 live in tasks/ (the data split in tasks/data/datasets.py, the search's goal in tasks/search/goal.py, the verdict in
 tasks/evaluate/validate.py, control-flow fallback in tasks/partition/partition.py, segment composition in
 tasks/partition/segments.py, the warnings and notes in each subject's notes.py); the context that runs a stage is
-flows/context.py."""
+flows/context.py.
+Over 400 lines by choice: the six stages' glue stays side by side with the table that declares their cache keys, so
+a reader sees in one file what each stage's key holds and what it calls (the fallback's re-planning loop is apart, in
+flows/replans.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -13,11 +16,11 @@ from typing import Callable
 
 from flows.config import paddle_cache
 from flows.context import BuildContext, Skip, sample_progress
+from flows.replans import with_replans
 from flows.runners import candidate_runner, deliverable
 from tasks.trt import backend as trt_backend
 from tasks.build import engines_of, same_graph
-from tasks.common import SegmentBuildError, StageError, TrtforgeError
-from tasks.partition import REDUCE_BUILD_SECONDS
+from tasks.common import SegmentBuildError, TrtforgeError
 from tasks.common import StageResult, sha256_file
 from tasks.schema import STAGES
 
@@ -91,9 +94,6 @@ def trt_segments(ctx: BuildContext) -> list[dict]:
     return segments(plan.details, plan.files, ctx.results["export"].files["onnx"], ctx.inputs.profiles)
 
 
-MAX_REPLANS = 4  # builds re-planned after a failure, at most
-
-
 def build(ctx: BuildContext) -> StageResult:
     """The baseline engine(s), one per TensorRT segment: fp32 or fp16 graph (int8/fp8: quantized ones in calibrate).
     A segment TensorRT cannot build runs what fails in ONNX Runtime, re-planned and said (tasks.partition.partition.build_fallback).
@@ -104,7 +104,7 @@ def build(ctx: BuildContext) -> StageResult:
         from tasks.build import baseline_skip_reason
         raise Skip(baseline_skip_reason(p.name, p.baseline, ctx.cfg.target.compute_capability,
                                         bool(ctx.cfg.stages.benchmark), bool(ctx.results["partition"].details.get("hybrid"))))
-    return with_replans(ctx, lambda: _build_engines(ctx))
+    return with_replans(ctx, lambda: _build_engines(ctx), partition)
 
 
 def baseline_timed(ctx: BuildContext) -> bool:
@@ -112,58 +112,6 @@ def baseline_timed(ctx: BuildContext) -> bool:
     capability on this host, the benchmark on, one TensorRT segment (a hybrid model is timed end to end)."""
     return bool(ctx.cfg.stages.benchmark and trt_backend.gpu_for(ctx.cfg.target.compute_capability) is not None
                 and not ctx.results["partition"].details.get("hybrid"))
-
-
-def with_replans(ctx: BuildContext, attempt: Callable[[], StageResult],
-                 on: type[StageError] = StageError) -> StageResult:
-    """``attempt()`` (engines built from the current plan); when it fails with ``on`` (TensorRT could not build a
-    segment), the plan that runs what failed in ONNX Runtime (tasks.partition.partition.build_fallback, at most MAX_REPLANS times)
-    and ``attempt()`` again on it; the re-plans said in the partition stage's note."""
-    from tasks.build import build_error
-    from tasks.data import generated_feeds
-    from tasks.partition import build_fallback
-
-    i, notes, cfg, t = ctx.inputs, [], ctx.c("partition"), ctx.cfg.target
-    for n in range(MAX_REPLANS + 1):
-        try:
-            r = attempt()
-            break
-        except on as e:
-            with _bisect_progress(ctx.show_progress, n + 1) as progress:
-                replan = None if n == MAX_REPLANS else build_fallback(
-                    cfg, ctx.results["export"].files["onnx"], ctx.results["partition"].details, e,
-                    lambda: generated_feeds(i.inputs, i.profiles[:1], 0, ctx.cfg.seed, rules=i.rules),
-                    lambda m, p: build_error(m, p, ctx.cfg.precision.baseline, t.compute_capability, ctx.c("build"),
-                                             ctx.backend, seconds=REDUCE_BUILD_SECONDS), progress=progress)
-            if replan is None:
-                if notes:  # what the fallback did before it gave up, once, after the builder's own words
-                    e.message += f" (after {len(notes)} re-plan{'s' if len(notes) > 1 else ''} that ran the nodes " \
-                                 "TensorRT could not build in ONNX Runtime; partition.json lists them)"
-                    e.args = (e.render(),)
-                raise
-            cfg, note = replan
-            ctx.results["partition"] = plan = partition(ctx, cfg)
-            ctx.metrics.update(plan.metrics)
-            notes.append(note)
-    if notes:
-        previous = ctx.stages["partition"].get("note")
-        ctx.stages["partition"]["note"] = "; ".join([previous, *notes] if previous else notes)
-    return r
-
-
-@contextlib.contextmanager
-def _bisect_progress(show: bool, replan: int):
-    """One status line on stderr while the fallback bisects: which build, of at most how many, and for how long."""
-    if not show:
-        yield None
-        return
-    from rich.console import Console
-
-    with Console(stderr=True).status(f"  build failed: looking for the nodes TensorRT cannot build (re-plan {replan})") \
-            as status:
-        yield lambda k, cap, seconds: status.update(
-            f"  build failed: bisecting the segment, build {k} of at most {cap} ({seconds:.0f} s; each at most "
-            f"{REDUCE_BUILD_SECONDS:.0f} s), re-plan {replan}")
 
 
 def _build_engines(ctx: BuildContext) -> StageResult:
@@ -265,11 +213,11 @@ def calibrate(ctx: BuildContext) -> StageResult | None:
         from tasks.prequant import describe
         raise Skip(f"the model is already quantized ({describe(prequantized(ctx))})")
     # only the engine build re-plans (an accuracy or calibration failure is not the plan's)
-    return with_replans(ctx, lambda: _calibrate(ctx), on=SegmentBuildError)
+    return with_replans(ctx, lambda: _calibrate(ctx), partition, on=SegmentBuildError)
 
 
 def _calibrate(ctx: BuildContext) -> StageResult:
-    """calibrate on the current plan (with_replans tries again on a new plan where TensorRT cannot build a segment)."""
+    """calibrate on the current plan (flows.replans.with_replans tries again on a new plan where TensorRT cannot build a segment)."""
     from tasks.quantization import judge_feeds_of, low_share_warning, qdq_for_segments, unreached_warning
     from tasks.accuracy import judged_samples
     from tasks.partition import Rest, segment_feeds
