@@ -25,9 +25,13 @@ if __name__ == "__main__":  # the CLI: with TRTFORGE_DAEMON=1 a warm build proce
         from flows.env import env_defaults                          # starts while this process imports and checks
         from flows.local.server import begin                              # its input (stopped again when no flow needs it)
         from flows.local import tracker  # and the build's tracker loads MLflow (ends with this process when unused)
+        from tasks.errors import ConfigError
 
         env_defaults()
-        begin()
+        try:
+            begin()
+        except ConfigError:  # a folder that is not the user's own (private.NotPrivate): main() says so, exit 2
+            pass
         tracker.start()
 
 from flows.env import env_defaults  # noqa: E402
