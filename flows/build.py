@@ -53,6 +53,7 @@ from flows.tracking import failure_text, run_matches, warm, warmed  # noqa: E402
 from tasks.errors import TrtforgeError, cause  # noqa: E402
 from tasks.report import write_report  # noqa: E402
 from tasks.util import write_json  # noqa: E402
+from flows.local.private import for_user  # noqa: E402  (results follow the user's umask)
 
 
 @task(task_run_name="{name}", cache_policy=NONE, persist_result=False)
@@ -191,7 +192,7 @@ def publish(ctx: BuildContext) -> dict:
     for entry, key in ctx.computed:  # later builds served from these entries say which run measured them
         ctx.cache.annotate(entry, key, {"mlflow_run": run["run_id"]})
     if cfg.summary_out:
-        write_json(cfg.summary_out, summary)
+        for_user(write_json(cfg.summary_out, summary))
     return summary
 
 
@@ -276,7 +277,7 @@ def run_build(cfg: DictConfig, config_dir: str | None = None, show_progress: boo
         for name, entry in done["stages"].items():
             on_stage(name, entry)
     if cfg.summary_out:
-        write_json(cfg.summary_out, done)
+        for_user(write_json(cfg.summary_out, done))
     return done
 
 

@@ -122,11 +122,33 @@ def warn(e: NotPrivate, what: str) -> None:
     print(f"trtforge: warning: {e.message}: {what}; fix: {e.fix}", file=sys.stderr, flush=True)
 
 
-def result_mode() -> int:
-    """The mode of a file trtforge makes for the user (a result, a report): 0666 less the user's umask."""
+def umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
-    return 0o666 & ~mask
+    return mask
+
+
+def result_mode(executable: bool = False) -> int:
+    """The mode of a file trtforge makes for the user (a result, a report): 0666 (0777 for an executable) less the
+    user's umask."""
+    return (0o777 if executable else 0o666) & ~umask()
+
+
+def for_user(path: Path) -> None:
+    """Give the files of a result trtforge made for the user (`path`: a file, or a folder and everything in it) the
+    user's umask (result_mode; executables keep their x bits): some writers go through a private temporary file
+    (tasks/util.py write_json: mkstemp, 0600) and would leave one file of a result 0600 and the next 0644. Links are
+    not followed."""
+    files = [path] if not path.is_dir() or path.is_symlink() else [f for f in path.rglob("*")]
+    for f in files:
+        try:
+            st = os.lstat(f)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            want = result_mode(executable=bool(st.st_mode & 0o111))
+            if stat.S_IMODE(st.st_mode) != want:
+                os.chmod(f, want)
 
 
 def die_with_parent(parent: int, sig: int | None = None) -> None:

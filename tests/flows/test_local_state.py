@@ -209,3 +209,26 @@ def test_make_serve_killed_leaves_no_prefect_server(tmp_path, sig):
             serve.wait()
         if server is not None and running(server):
             os.kill(server, signal.SIGKILL)
+
+
+def test_results_follow_the_users_umask_and_state_stays_private(tmp_path, user_config_dir):
+    """One policy for modes: a result's files (whichever helper wrote them) and `summary_out` follow the user's umask;
+    what trtforge keeps for itself (the server's record and log, its leases, the secret) is 0600 in 0700 folders."""
+    home = tmp_path / "prefect"
+    r = subprocess.run([sys.executable, "-m", "flows.build", "--config-dir", str(user_config_dir), "model=tiny",
+                        "precision=fp32", "stages.benchmark=false", f"out_dir={tmp_path / 'out'}",
+                        f"cache_dir={tmp_path / 'cache'}", f"summary_out={tmp_path / 'summary.json'}"],
+                       cwd=tmp_path, env={**os.environ, "TRTFORGE_DAEMON": "0", "PREFECT_HOME": str(home)},
+                       capture_output=True, text=True, timeout=600, preexec_fn=lambda: os.umask(0o027))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    result = Path(summary["out_dir"])
+    modes = {str(f.relative_to(result)): f.stat().st_mode & 0o777 for f in result.rglob("*") if f.is_file()}
+    assert {"summary.json", "report.html", summary["engine"]["file"]} <= set(modes)
+    assert set(modes.values()) == {0o640}, modes
+    assert (tmp_path / "summary.json").stat().st_mode & 0o777 == 0o640
+    cached = [f for f in (tmp_path / "cache").rglob("result.json")]
+    assert cached and {f.stat().st_mode & 0o777 for f in cached} == {0o640}
+    for f in (home / "trtforge-server.json", home / "trtforge-server.log"):
+        assert f.stat().st_mode & 0o777 == 0o600, f
+    assert home.stat().st_mode & 0o777 == 0o700
