@@ -75,6 +75,23 @@ def problem(path: Path) -> str | None:
     return None
 
 
+def writable_by_others(path: Path) -> str | None:
+    """Why another user could change `path` (a file or folder trtforge only reads, e.g. a template), or could swap
+    it through its folder; None when nobody but this user (or root) can."""
+    for p, what in ((path, str(path)), (path.parent, f"its folder {path.parent}")):
+        try:
+            st = os.lstat(p)
+        except OSError as e:
+            return f"{what} cannot be read ({e.strerror})"
+        if p is path and stat.S_ISLNK(st.st_mode):
+            return f"{what} is a symbolic link"
+        if st.st_uid not in (0, os.geteuid()):
+            return f"{what} belongs to uid {st.st_uid}"
+        if st.st_mode & 0o022 and not (p is not path and st.st_mode & stat.S_ISVTX):
+            return f"{what} can be written by other users"
+    return None
+
+
 def ensure(path: Path) -> Path:
     """`path` as a private folder of this user, made (mode 0700) when missing; NotPrivate when it is not private."""
     try:

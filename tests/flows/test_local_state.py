@@ -232,3 +232,20 @@ def test_results_follow_the_users_umask_and_state_stays_private(tmp_path, user_c
     for f in (home / "trtforge-server.json", home / "trtforge-server.log"):
         assert f.stat().st_mode & 0o777 == 0o600, f
     assert home.stat().st_mode & 0o777 == 0o700
+
+
+def test_a_template_other_users_could_write_is_not_copied_into_a_new_database(tmp_path, monkeypatch):
+    """The migrated templates (flows/local/templates.py) seed the user's new Prefect and MLflow databases: one in a
+    folder others can write (a squatted ~/.cache/trtforge) could carry their records, so it is not used."""
+    from flows.local.templates import seed, template
+
+    src = template("mlflow")
+    assert src is not None and src.is_file(), "no template (make setup makes them)"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    planted = template("mlflow")
+    planted.parent.mkdir(parents=True)
+    planted.write_bytes(src.read_bytes())
+    planted.parent.chmod(0o777)
+    assert not seed(tmp_path / "a.db", "mlflow") and not (tmp_path / "a.db").exists()
+    planted.parent.chmod(0o755)
+    assert seed(tmp_path / "b.db", "mlflow") and (tmp_path / "b.db").read_bytes() == src.read_bytes()
