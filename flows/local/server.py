@@ -145,14 +145,14 @@ def begin() -> bool:
     global _mine, _spawned_by
     if _mine is not None or os.environ.get("PREFECT_API_URL"):
         return True
-    if os.environ.get("TRTFORGE_PREFECT") == "ephemeral":
+    private_home()  # Prefect keeps its database there (its own temporary server too), trtforge its record: the user's
+    if os.environ.get("TRTFORGE_PREFECT") == "ephemeral":  # own, or refused
         return False
     if "prefect" in sys.modules:  # Prefect already configured in this process (a test harness, a served flow)
         from prefect.settings import get_current_settings
 
         if get_current_settings().api.url:
             return False
-    private_home()  # Prefect keeps its database there and trtforge its record: the user's own, or refused
     try:
         secret = auth_string()
     except private.NotPrivate as e:

@@ -145,11 +145,15 @@ def _cli(tmp_path: Path, env_extra: dict, *overrides: str, user_config_dir: Path
                           text=True, timeout=600)
 
 
-def test_a_prefect_home_open_to_others_is_refused_with_exit_2_and_the_fix(tmp_path, user_config_dir):
+@pytest.mark.parametrize("prefect", ["shared", "ephemeral"])
+def test_a_prefect_home_open_to_others_is_refused_with_exit_2_and_the_fix(tmp_path, user_config_dir, prefect):
+    """Refused for the shared local server and for Prefect's own temporary one alike (both keep their database
+    there)."""
     home = tmp_path / "prefect"
     home.mkdir()
     home.chmod(0o755)  # (an older Prefect made ~/.prefect so)
-    r = _cli(tmp_path, {"PREFECT_HOME": str(home)}, user_config_dir=user_config_dir)
+    extra = {"TRTFORGE_PREFECT": "ephemeral"} if prefect == "ephemeral" else {}
+    r = _cli(tmp_path, {"PREFECT_HOME": str(home), **extra}, user_config_dir=user_config_dir)
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     assert f"trtforge: error: PREFECT_HOME {home} has mode 0755, not 0700" in r.stderr
     assert f"fix: chmod 700 {home}" in r.stderr
