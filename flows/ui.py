@@ -2,13 +2,15 @@
 127.0.0.1 over the tracking store and artifacts that builds write to, for the user who starts it only.
 
 The UI, its REST and ajax APIs and its artifact downloads and uploads read and write whatever the user's files allow
-(an experiment's artifact location is any folder), so it runs MLflow's own basic-auth app: every request but /health
-and the static files needs the user's name and password (401 without them, 403 for any other account), and the
-accounts' default permission is NO_PERMISSIONS. The password is a random secret kept like the Prefect API's
-(flows/local/private.py: `~/.cache/trtforge/private/mlflow-ui-password`, 0600 in a 0700 folder); the auth database
-and its config live in a folder of this run inside the user's private runtime folder, removed when it stops. The
-address printed carries the name and password (`http://trtforge:SECRET@127.0.0.1:PORT/...`): a browser opened with
-it asks nothing; one opened on the bare address asks for them (basic auth).
+(an experiment's artifact location is any folder), so it runs MLflow's own basic-auth app: every request but /health,
+/server-info and the static files of the page shell needs the user's name and password (401 without them, 403 for any
+other account), and the accounts' default permission is NO_PERMISSIONS. The password is a random secret kept like the
+Prefect API's (flows/local/private.py: `~/.cache/trtforge/private/mlflow-ui-password`, 0600 in a 0700 folder); the
+auth database and its config live in a folder of this run inside the user's private runtime folder, removed when it
+stops. The address printed carries the name and password
+(`http://trtforge:SECRET@127.0.0.1:PORT/trtforge-login#/experiments/N?...`): its login page opens the UI at the bare
+address and the browser keeps sending the credentials, so nothing is asked; the bare address asks for them (basic
+auth).
 
 One process: MLflow's app runs here, in uvicorn, on a socket bound before anything is printed (no other user can take
 the port between its choice and the server's start), so nothing outlives it however it ends; with `--end-with-parent`
