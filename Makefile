@@ -64,16 +64,18 @@ rebuild: $(STAMP)
 	$(PY) -m flows.rebuild $(if $(rebuild_out),rebuild_out=$(rebuild_out)) $(ARGS)
 
 # a Prefect server on 127.0.0.1 (started unless one answers) serving the rebuild on conf/rebuild.yaml's cron
+# (exec: make itself is the parent, and a make killed by any signal ends the server with it)
 serve: $(STAMP)
-	$(PY) -m flows.serve $(ARGS)
+	exec $(PY) -m flows.serve --end-with-parent $(ARGS)
 
 # The model zoo (benchmarks/zoo.py): installs the packages that carry its models, then builds them; ZOO_ARGS="--small".
 zoo: $(STAMP)
 	$(PY) benchmarks/zoo.py --install
 	$(PY) benchmarks/zoo.py $(ZOO_ARGS)
 
+# the MLflow UI for the user who starts it only (MLflow's basic-auth app, flows/ui.py); ends with make however it ends
 ui: $(STAMP)
-	$(PY) -m flows.ui --port $(PORT)
+	exec $(PY) -m flows.ui --port $(PORT) --end-with-parent
 
 # Headless Chromium from Debian's packages for the browser test (Playwright drives it; never `playwright install`).
 browser:

@@ -25,9 +25,13 @@ if __name__ == "__main__":  # the CLI: with TRTFORGE_DAEMON=1 a warm build proce
         from flows.env import env_defaults                          # starts while this process imports and checks
         from flows.local.server import begin                              # its input (stopped again when no flow needs it)
         from flows.local import tracker  # and the build's tracker loads MLflow (ends with this process when unused)
+        from tasks.common import ConfigError
 
         env_defaults()
-        begin()
+        try:
+            begin()
+        except ConfigError:  # a folder that is not the user's own (private.NotPrivate): main() says so, exit 2
+            pass
         tracker.start()
 
 from flows.env import env_defaults  # noqa: E402
@@ -50,6 +54,7 @@ from tasks.common import TrtforgeError, cause  # noqa: E402
 from tasks.report import write_report  # noqa: E402
 from tasks.schema import STAGES  # noqa: E402
 from tasks.common import write_json  # noqa: E402
+from flows.local.private import for_user  # noqa: E402  (results follow the user's umask)
 
 
 @task(task_run_name="{name}", cache_policy=NONE, persist_result=False)
@@ -188,7 +193,7 @@ def publish(ctx: BuildContext) -> dict:
     for entry, key in ctx.computed:  # later builds served from these entries say which run measured them
         ctx.cache.annotate(entry, key, {"mlflow_run": run["run_id"]})
     if cfg.summary_out:
-        write_json(cfg.summary_out, summary)
+        for_user(write_json(cfg.summary_out, summary))
     return summary
 
 
@@ -273,7 +278,7 @@ def run_build(cfg: DictConfig, config_dir: str | None = None, show_progress: boo
         for name, entry in done["stages"].items():
             on_stage(name, entry)
     if cfg.summary_out:
-        write_json(cfg.summary_out, done)
+        for_user(write_json(cfg.summary_out, done))
     return done
 
 

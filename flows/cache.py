@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from flows.local.locks import locked, named_lock, pid_alive  # noqa: F401  (named_lock: used by flows)
+from flows.local.private import for_user
 from tasks.common import changed, merge_deps, recording
 from tasks.common import StageResult, sha256_file, sha256_json, write_json
 
@@ -102,6 +103,7 @@ class StageCache:
                 return
             data["origin"] = {**(data.get("origin") or {}), **origin}
             write_json(meta, data)
+            for_user(meta)
 
     def _compute(self, stage: str, key: str, fn: Callable[[Path], StageResult], origin: dict | None) -> StageResult:
         remove_dead_temps(self.root / ".tmp")
@@ -122,6 +124,7 @@ class StageCache:
             write_json(tmp / "result.json", {"files": rel, "metrics": result.metrics, "details": result.details,
                                              "sha256": {k: sha256_file(tmp / v) for k, v in rel.items()},
                                              "origin": made, "deps": merge_deps(reads.record(), result.deps)})
+            for_user(tmp)  # (the user's umask, like every result: flows/local/private.py)
             final = self.entry(stage, key)
             final.parent.mkdir(parents=True, exist_ok=True)
             if final.exists():  # a damaged entry (its files failed the hash check)
@@ -200,6 +203,7 @@ def new_result_dir(final: Path) -> Path:
 def publish_dir(folder: Path, final: Path) -> None:
     """Make `folder` the current result: it becomes the version folder `.<name>.v-<id>` and `final` a symlink to it,
     replaced in one atomic rename; other versions are removed. A reader sees the old result or the new one."""
+    for_user(folder)  # its files follow the user's umask, whichever helper wrote them (flows/local/private.py)
     with named_lock(final, "publish"):
         version = final.parent / f".{final.name}.v-{uuid.uuid4().hex[:12]}"
         os.replace(folder, version)

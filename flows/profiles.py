@@ -17,6 +17,7 @@ from pathlib import Path
 from flows.config import compose_config, config_dir_search, model_io
 from tasks.common import ConfigError, TrtforgeError
 from tasks.common import write_json
+from flows.local.private import for_user  # (results follow the user's umask)
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 
@@ -67,10 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         print(describe(proposal))
         print("\n# for the model YAML:\n" + yaml_fragment(proposal.profiles), end="")
         if out:
-            write_json(Path(out), {"requests": proposal.requests, "coverage": proposal.coverage,
+            for_user(write_json(Path(out), {"requests": proposal.requests, "coverage": proposal.coverage,
                                    "profiles": proposal.profiles, "outliers": proposal.outliers,
                                    "per_profile": proposal.per_profile, "k_reason": proposal.k_reason,
-                                   "objective": {str(k): v for k, v in proposal.objective.items()}})
+                                   "objective": {str(k): v for k, v in proposal.objective.items()}}))
             print(f"wrote {out}")
         if args.write:
             path = model_yaml(cfg.model.name, args.config_dir)

@@ -106,7 +106,9 @@ def rebuild_pass(rebuild_out: str | None = None, tolerance: float | None = None,
             log(f"rebuilt  {name}" + (f": version {reg['version']} is now @{reg['alias']}" if reg else ""))
     if rebuild_out:
         from tasks.common import write_json
-        write_json(rebuild_out, report)
+        from flows.local.private import for_user
+
+        for_user(write_json(rebuild_out, report))
     return report
 
 

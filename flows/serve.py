@@ -4,6 +4,9 @@ Connects to the Prefect server at PREFECT_API_URL, or to this user's authenticat
 starts one there (Prefect's API authentication with the user's secret, flows/local/server.py), then serves the
 rebuild flow (flows/rebuild.py) as the deployment `trtforge-rebuild/scheduled` on the cron schedule in
 conf/rebuild.yaml. Builds started with PREFECT_API_URL (and PREFECT_API_AUTH_STRING) set use that server.
+
+A server started here ends with this process however it ends (PR_SET_PDEATHSIG: even SIGKILL); with
+`--end-with-parent` (what `make serve` passes) this process ends with whatever started it too (make, killed).
 """
 from __future__ import annotations
 
@@ -38,12 +41,9 @@ def ensure_server(port: int = 4200, timeout: float = 120.0) -> tuple[str, subpro
         if healthy(url):
             return url, None
         raise UnavailableError(f"PREFECT_API_URL={url} does not answer", fix="start that server, or unset PREFECT_API_URL")
-    try:
-        secret = local.auth_string()
-    except private.NotPrivate as e:
-        raise UnavailableError(f"no private place for the Prefect API's secret: {e}",
-                               fix="remove that folder, or make it yours with mode 0700") from None
-    url = f"http://127.0.0.1:{port}/api"
+    local.private_home()  # its database and records: the user's own folder, or refused (exit 2)
+    secret = local.auth_string()  # (NotPrivate, exit 2, when its folder or file is not private)
+    url = local.api_url(port)
     try:
         sock = reserve(port)
     except OSError:  # taken: used only when the kernel says it is this user's and it knows the secret
@@ -61,10 +61,12 @@ def ensure_server(port: int = 4200, timeout: float = 120.0) -> tuple[str, subpro
         return url, None
     from flows.local.prefect_api import server_command
 
-    with sock:
+    me = os.getpid()
+    with sock:  # the server gets SIGTERM when this process dies, however it dies
         proc = subprocess.Popen(server_command(port, sock.fileno()), pass_fds=(sock.fileno(),),
                                 env={**local.server_env(secret), **local.seed_home()},
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=lambda: private.die_with_parent(me))
     t0 = time.monotonic()
     while not healthy(url):
         if proc.poll() is not None or time.monotonic() - t0 > timeout:
@@ -90,8 +92,19 @@ def rebuild_flow_object():
     return trtforge_rebuild
 
 
+def end_with_parent(argv: list[str]) -> list[str]:
+    """With `--end-with-parent` in argv (what the Makefile passes, exec'd by make): this process gets SIGTERM when
+    its parent dies, however it dies. Returns argv without the flag."""
+    if "--end-with-parent" in argv:
+        from flows.local.private import die_with_parent
+
+        die_with_parent(os.getppid())
+    return [a for a in argv if a != "--end-with-parent"]
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = dict(a.split("=", 1) for a in (sys.argv[1:] if argv is None else argv) if "=" in a)
+    argv = end_with_parent(sys.argv[1:] if argv is None else argv)
+    args = dict(a.split("=", 1) for a in argv if "=" in a)
     port = int(args.pop("port", 4200))
     opts = settings(**args)
     from tasks.common import TrtforgeError

@@ -238,14 +238,35 @@ def end_orphans(experiment_id: str) -> list[str]:
     return ended
 
 
+NOTE = "mlflow.note.content"  # the run's description in the UI (markdown)
+
+
+def note(summary: dict) -> str:
+    """The run's description: the build's verdict, so that a run reads at a glance in the UI."""
+    lines = [f"**{summary['status']}**: {summary['model']} → {summary['target']} {summary['precision']}"]
+    if summary.get("error"):
+        lines.append(summary["error"].splitlines()[0])
+    m = summary.get("metrics", {})
+    if summary.get("verdict"):
+        lines.append(f"accuracy: {summary['verdict']}")
+    elif "cosine_min" in m:
+        lines.append(f"accuracy: cosine_min {m['cosine_min']:.6f}")
+    engines = summary.get("engines") or []
+    if engines:
+        lines.append(f"engines: {len(engines)}, {sum(e['bytes'] for e in engines) / 1e6:.1f} MB")
+    return "\n\n".join(lines)[:5000]
+
+
 def end_run(run_id: str, ok: bool, failure: BaseException | str | None = None) -> None:
     """The last word on a build's run, once its result is published (or not): the `status` tag, then the run ended
-    FINISHED or FAILED with this moment as its end time."""
+    FINISHED or FAILED with this moment as its end time; a failure is added to its description."""
     import time
 
     c = client()
     if failure is not None:
         c.set_tag(run_id, "failure", failure_text(failure))
+        said = c.get_run(run_id).data.tags.get(NOTE, "")
+        c.set_tag(run_id, NOTE, (f"{said}\n\n" if said else "") + f"**failed**: {failure_text(failure)}"[:5000])
     c.set_tag(run_id, "status", "ok" if ok and failure is None else "failed")
     c.set_terminated(run_id, status="FINISHED" if ok and failure is None else "FAILED", end_time=int(time.time() * 1000))
 
@@ -299,7 +320,8 @@ def log_build(*, experiment: str, summary: dict, params: dict[str, str], resolve
                 **{f"version.{k}": v for k, v in versions.items()},
                 **{f"{k}.data": f"{d.get('samples')} samples: {d.get('source', '')}"[:5000]
                    for k, d in summary.get("data", {}).items()},  # what calibrated, judged the search, validated
-                **{k: v for k, v in summary.get("metrics", {}).items() if isinstance(v, str)}}
+                **{k: v for k, v in summary.get("metrics", {}).items() if isinstance(v, str)},
+                NOTE: note(summary)}
         from flows.context import origin_text  # a cached stage's numbers were measured by another run: say which
         tags.update({f"cached_from.{stage}": origin_text(s["cached_from"])
                      for stage, s in summary["stages"].items() if s.get("cached_from")})

@@ -16,6 +16,18 @@ os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_SESSION_TMP / 'mlflow.db'}"
 os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
 os.environ["DO_NOT_TRACK"] = "true"
 os.environ["TRTFORGE_DAEMON"] = "0"  # CLI tests build in their own process; tests/flows/test_daemon.py turns it on
+# the suite's runtime state (warm processes' sockets, locks, secrets) in folders of its own, never the user's
+# (~/.cache/trtforge): a user's `python -m flows.local.daemon stop` cannot end the suite's warm process, and the suite
+# stops none of the user's; the user's migrated templates are copied in (flows/local/templates.py: faster first starts)
+_USER_TEMPLATES = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trtforge" / "templates"
+os.environ["XDG_CACHE_HOME"] = str(_SESSION_TMP / "cache")
+os.environ["XDG_RUNTIME_DIR"] = str(_SESSION_TMP / "run")
+os.mkdir(_SESSION_TMP / "run", 0o700)
+(_SESSION_TMP / "cache" / "trtforge" / "templates").mkdir(parents=True)
+for _t in _USER_TEMPLATES.glob("*.db") if _USER_TEMPLATES.is_dir() else ():
+    import shutil
+
+    shutil.copyfile(_t, _SESSION_TMP / "cache" / "trtforge" / "templates" / _t.name)
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

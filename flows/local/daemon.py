@@ -549,9 +549,8 @@ def _lease(pid: int) -> None:
     """The build's lease on the shared Prefect server, from its first instant (its own lease() takes it over)."""
     from flows.local import server
 
-    with contextlib.suppress(OSError):
-        server.lease_dir().mkdir(parents=True, exist_ok=True)
-        (server.lease_dir() / str(pid)).touch()
+    with contextlib.suppress(OSError, private.NotPrivate):
+        server.take_lease(pid)
 
 
 def _still_mine(path: Path, inode: int) -> bool:

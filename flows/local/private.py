@@ -5,7 +5,9 @@ A folder is private when `lstat` says it is a folder (not a link), owned by this
 and its parent cannot be swapped under it by another user (owned by this user or root, and not writable by others
 unless sticky). It is checked before every use: a folder another user made first (a squatter who could plant a
 listener, or links at the names written here) is refused, never repaired. Files are opened without following links.
-Standard library only.
+File modes follow one policy: what trtforge keeps for itself (secrets, records, logs, leases, locks, sockets) is
+0600 in a 0700 folder; what it makes for the user (results, reports, `*_out` files) follows the user's umask
+(result_mode). Standard library and tasks.common.errors only.
 """
 from __future__ import annotations
 
@@ -17,8 +19,20 @@ import sys
 from pathlib import Path
 
 
-class NotPrivate(Exception):
-    """A folder or file that another user could read or change; its message is one line naming it and why."""
+from tasks.common.errors import ConfigError
+
+
+class NotPrivate(ConfigError):
+    """A folder or file that another user could read or change: bad input (exit 2), its message one line naming it and
+    why, with the fix."""
+
+    def __init__(self, message: str, *, fix: str | None = None):
+        super().__init__(message, fix=fix or "remove it (as its owner, or root), or make it yours with mode 0700 "
+                                              "(chmod 700 FOLDER); or point XDG_CACHE_HOME / XDG_RUNTIME_DIR / "
+                                              "PREFECT_HOME at a folder of yours with mode 0700")
+
+    def __reduce__(self):  # (a sweep's worker sends it back pickled)
+        return type(self), (self.message,), {"fix": self.fix, "stage": self.stage, "file": self.file}
 
 
 def cache_base() -> Path:
@@ -61,6 +75,23 @@ def problem(path: Path) -> str | None:
     return None
 
 
+def writable_by_others(path: Path) -> str | None:
+    """Why another user could change `path` (a file or folder trtforge only reads, e.g. a template), or could swap
+    it through its folder; None when nobody but this user (or root) can."""
+    for p, what in ((path, str(path)), (path.parent, f"its folder {path.parent}")):
+        try:
+            st = os.lstat(p)
+        except OSError as e:
+            return f"{what} cannot be read ({e.strerror})"
+        if p is path and stat.S_ISLNK(st.st_mode):
+            return f"{what} is a symbolic link"
+        if st.st_uid not in (0, os.geteuid()):
+            return f"{what} belongs to uid {st.st_uid}"
+        if st.st_mode & 0o022 and not (p is not path and st.st_mode & stat.S_ISVTX):
+            return f"{what} can be written by other users"
+    return None
+
+
 def ensure(path: Path) -> Path:
     """`path` as a private folder of this user, made (mode 0700) when missing; NotPrivate when it is not private."""
     try:
@@ -69,17 +100,84 @@ def ensure(path: Path) -> Path:
     except FileExistsError:
         pass
     except OSError as e:
-        raise NotPrivate(f"{path} cannot be made ({e.strerror})") from None
+        raise NotPrivate(f"{path} cannot be made ({e.strerror})",
+                         fix=f"make {path} yourself with mode 0700, or point it elsewhere") from None
     why = problem(path)
     if why:
-        raise NotPrivate(f"{path} {why}")
+        raise NotPrivate(f"{path} {why}", fix=fix_for(path, why))
+    return path
+
+
+def fix_for(path: Path, why: str) -> str:
+    """How to make `path` private, given why it is not (problem())."""
+    if why.startswith("has mode"):
+        return f"chmod 700 {path}"
+    return (f"remove {path} (as its owner, or root) and run again, or point the variable that chose it "
+            f"(XDG_CACHE_HOME, XDG_RUNTIME_DIR, PREFECT_HOME) at a folder of yours with mode 0700")
+
+
+def require(path: Path, what: str) -> Path:
+    """`path` as a private folder of this user (made 0700 when missing), for `what` keeps its state there; NotPrivate
+    (exit 2) naming it, why and the fix when it is not: nothing is written there, and nothing read from it trusted."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise NotPrivate(f"{what} {path} cannot be made ({e.strerror})",
+                         fix=f"make {path} yourself with mode 0700, or point it elsewhere") from None
+    why = problem(path)
+    if why:
+        raise NotPrivate(f"{what} {path} {why}: other users could plant links or records there, or read it",
+                         fix=fix_for(path, why))
     return path
 
 
 def warn(e: NotPrivate, what: str) -> None:
     """One line on stderr: the folder refused, why, and what happens instead."""
-    print(f"trtforge: warning: {e}: {what}; fix: remove it, or make it yours with mode 0700", file=sys.stderr,
-          flush=True)
+    print(f"trtforge: warning: {e.message}: {what}; fix: {e.fix}", file=sys.stderr, flush=True)
+
+
+def umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def result_mode(executable: bool = False) -> int:
+    """The mode of a file trtforge makes for the user (a result, a report): 0666 (0777 for an executable) less the
+    user's umask."""
+    return (0o777 if executable else 0o666) & ~umask()
+
+
+def for_user(path: Path) -> None:
+    """Give the files of a result trtforge made for the user (`path`: a file, or a folder and everything in it) the
+    user's umask (result_mode; executables keep their x bits): some writers go through a private temporary file
+    (tasks/common/util.py write_json: mkstemp, 0600) and would leave one file of a result 0600 and the next 0644. Links are
+    not followed."""
+    files = [path] if not path.is_dir() or path.is_symlink() else [f for f in path.rglob("*")]
+    for f in files:
+        try:
+            st = os.lstat(f)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            want = result_mode(executable=bool(st.st_mode & 0o111))
+            if stat.S_IMODE(st.st_mode) != want:
+                os.chmod(f, want)
+
+
+def die_with_parent(parent: int, sig: int | None = None) -> None:
+    """Linux, in a child between fork and exec (preexec_fn): it gets `sig` (default SIGTERM) when the thread that
+    started it dies, however it dies (even by SIGKILL), and exits now when `parent` died before this line."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig or signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(0)
 
 
 def open_private(path: Path, flags: int) -> int:
@@ -100,7 +198,9 @@ def read_private(path: Path) -> str:
 def write_private(path: Path, text: str) -> None:
     """Write a file in a private folder as one rename: a link planted at its name is replaced, never followed."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    with open(open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as f:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # (a link planted at the temporary name goes, its target untouched)
+    with open(open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "w") as f:
         f.write(text)
     os.replace(tmp, path)
 

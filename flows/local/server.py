@@ -8,7 +8,11 @@ there and only checks it (milliseconds). The port is bound by the build that cho
 (no window in which another user could take it), and the API requires the user's secret (Prefect's own API
 authentication: PREFECT_SERVER_API_AUTH_STRING on the server, PREFECT_API_AUTH_STRING in the builds), kept in a 0600
 file in the user's private folder (flows/local/private.py); a recorded server is used only when the kernel says its
-listening socket is the user's and it refuses requests without the secret and accepts them with it. The start is begun early (begin(): the CLI's first step, before its
+listening socket is the user's and it refuses requests without the secret and accepts them with it. The record says
+only which port and watchdog: the API's address is always http://127.0.0.1:PORT/api, made here from the port, so no
+record decides where the secret goes. PREFECT_HOME is a folder of the user's own (0700, checked before use;
+private.require), else the build is refused with exit 2, and every file trtforge writes there (record, log, leases) is
+opened without following a link. The start is begun early (begin(): the CLI's first step, before its
 imports, config and preflight) and waited for only when the flow begins (ensure()); a new Prefect home starts from a
 migrated template database (flows/local/templates.py). Each build holds a lease (a file named after its pid) while it runs;
 the watchdog stops the server once no live build has held a lease for TRTFORGE_SERVER_IDLE seconds (default 600). A
@@ -50,15 +54,26 @@ def auth_string() -> str:
     return private.secret(SECRET_NAME)
 
 
+def api_url(port: int) -> str:
+    """The address of the local API on `port`: made from the port alone, never read from a record."""
+    return f"http://127.0.0.1:{int(port)}/api"
+
+
 def ours(st: dict, secret: str) -> bool:
     """Whether the server of this record is this user's: its listening socket belongs to this user (asked before the
-    secret is sent) and it requires, and accepts, the secret."""
+    secret is sent) and it requires, and accepts, the secret, at the address made from its port."""
     port = int(st.get("port", 0))
-    return listener_uid(port) == os.geteuid() and authenticated(st["url"], secret)
+    return 0 < port < 65536 and listener_uid(port) == os.geteuid() and authenticated(api_url(port), secret)
 
 
 def home() -> Path:
     return Path(os.environ.get("PREFECT_HOME") or Path.home() / ".prefect").expanduser()
+
+
+def private_home() -> Path:
+    """PREFECT_HOME as a private folder of this user (made 0700 when missing); NotPrivate (exit 2, naming it and the
+    fix) when another user could write or read it: their records and links would steer the build."""
+    return private.require(home(), "PREFECT_HOME")
 
 
 def state_file() -> Path:
@@ -69,13 +84,23 @@ def lease_dir() -> Path:
     return home() / "trtforge-leases"
 
 
+def read_record(path: Path | None = None) -> dict | None:
+    """The record of the shared server (pid of its watchdog and port), read without following a link, its address made
+    from the port (api_url); None when there is none or it does not parse."""
+    try:
+        st = json.loads(private.read_private(path or state_file()))
+        pid, port = int(st["pid"]), int(st["port"])
+    except (ValueError, KeyError, TypeError):
+        return None
+    if pid <= 1 or not 0 < port < 65536:
+        return None
+    return {"pid": pid, "port": port, "url": api_url(port), "started": st.get("started")}
+
+
 def running(secret: str | None = None) -> dict | None:
     """The shared server's record when it answers and is this user's (ours()), else None."""
-    try:
-        st = json.loads(state_file().read_text())
-    except (OSError, ValueError):
-        return None
-    if not (pid_alive(int(st.get("pid", 0))) and healthy(st["url"])):
+    st = read_record()
+    if st is None or not (pid_alive(st["pid"]) and healthy(st["url"])):
         return None
     try:
         return st if ours(st, secret or auth_string()) else None
@@ -86,14 +111,19 @@ def running(secret: str | None = None) -> dict | None:
 @contextlib.contextmanager
 def lease() -> Iterator[None]:
     """This process uses the shared server while the block runs (the watchdog sees the pid alive)."""
-    d = lease_dir()
-    d.mkdir(parents=True, exist_ok=True)
-    f = d / str(os.getpid())
-    f.touch()
+    f = take_lease(os.getpid())
     try:
         yield
     finally:
         f.unlink(missing_ok=True)
+
+
+def take_lease(pid: int) -> Path:
+    """The lease file of `pid` in the private lease folder, made without following a link."""
+    d = private.ensure(lease_dir())
+    f = d / str(pid)
+    os.close(private.open_private(f, os.O_WRONLY | os.O_CREAT))
+    return f
 
 
 _mine: dict | None = None  # the shared server this process pointed Prefect at (begin), healthy or starting
@@ -103,11 +133,8 @@ _used = False  # whether a flow of this process has used it (ensure)
 
 def _record() -> dict | None:
     """The shared server's record when its watchdog lives (answering already, or still starting)."""
-    try:
-        st = json.loads(state_file().read_text())
-    except (OSError, ValueError):
-        return None
-    return st if pid_alive(int(st.get("pid", 0))) else None
+    st = read_record()
+    return st if st is not None and pid_alive(st["pid"]) else None
 
 
 def begin() -> bool:
@@ -118,7 +145,8 @@ def begin() -> bool:
     global _mine, _spawned_by
     if _mine is not None or os.environ.get("PREFECT_API_URL"):
         return True
-    if os.environ.get("TRTFORGE_PREFECT") == "ephemeral":
+    private_home()  # Prefect keeps its database there (its own temporary server too), trtforge its record: the user's
+    if os.environ.get("TRTFORGE_PREFECT") == "ephemeral":  # own, or refused
         return False
     if "prefect" in sys.modules:  # Prefect already configured in this process (a test harness, a served flow)
         from prefect.settings import get_current_settings
@@ -131,9 +159,7 @@ def begin() -> bool:
         private.warn(e, "the build uses Prefect's own temporary server")
         os.environ["TRTFORGE_PREFECT"] = "ephemeral"  # (its sweep workers too)
         return False
-    d = lease_dir()
-    d.mkdir(parents=True, exist_ok=True)
-    (d / str(os.getpid())).touch()  # this build uses the server from now on (lease() releases it)
+    take_lease(os.getpid())  # this build uses the server from now on (lease() releases it)
     st = running(secret)
     if st is None:
         with named_lock(home(), "prefect-server"):  # two builds starting at once: one server
@@ -177,9 +203,9 @@ def release_unused() -> None:
 
         with contextlib.suppress(OSError):
             os.kill(int(_mine["pid"]), signal.SIGTERM)  # (its server follows it: PR_SET_PDEATHSIG)
-        with contextlib.suppress(OSError, ValueError):  # a watchdog stopped before its handler was set leaves the record
-            if json.loads(state_file().read_text()).get("pid") == _mine["pid"]:
-                state_file().unlink()
+        st = read_record()  # a watchdog stopped before its handler was set leaves the record
+        if st is not None and st["pid"] == _mine["pid"]:
+            state_file().unlink(missing_ok=True)
 
 
 def wait(st: dict) -> None:
@@ -249,24 +275,22 @@ def spawn(secret: str) -> dict:
     """Start the watchdog (which starts the server) detached from this process, and record it; nothing waits.
     The port is bound here and handed down to the server. A new Prefect home starts from the migrated template
     database when there is one (flows/local/templates.py)."""
-    home().mkdir(parents=True, exist_ok=True)
+    private_home()
     first = seed_home()
     sock = reserve()
     port = sock.getsockname()[1]
-    url = f"http://127.0.0.1:{port}/api"
-    log = open(home() / "trtforge-server.log", "ab")
+    url = api_url(port)
+    log = private.open_private(home() / "trtforge-server.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     try:
         watchdog = subprocess.Popen([sys.executable, "-m", "flows.local.server", "serve", str(port), str(sock.fileno())],
                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True, pass_fds=(sock.fileno(),),
                                     cwd=str(Path(__file__).resolve().parents[2]), env={**server_env(secret), **first})
     finally:
-        log.close()
+        os.close(log)
         sock.close()
-    st = {"pid": watchdog.pid, "url": url, "port": port, "started": time.time()}
-    tmp = state_file().with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(st))
-    tmp.replace(state_file())
+    st = {"pid": watchdog.pid, "port": port, "url": url, "started": time.time()}  # ("url": for people; never read)
+    private.write_private(state_file(), json.dumps(st))
     return st
 
 
@@ -293,15 +317,6 @@ def without_heartbeats():
     return SettingsContext(profile=current.profile, settings=settings)
 
 
-def _die_with_parent() -> None:
-    """Linux: the server gets SIGTERM when the watchdog dies, however it dies (even SIGKILL)."""
-    import ctypes
-    import signal
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def busy() -> bool:
     """Whether a live build holds a lease (dead builds' leases are removed)."""
     live = False
@@ -319,8 +334,9 @@ def serve(port: int, fd: int | None = None) -> int:
     import signal
 
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    server = subprocess.Popen(server_command(port, fd), env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
-                              pass_fds=(fd,) if fd is not None else ())
+    me = os.getpid()  # the server gets SIGTERM when this watchdog dies, however it dies
+    server = subprocess.Popen(server_command(port, fd), env=env, stdin=subprocess.DEVNULL,
+                              preexec_fn=lambda: private.die_with_parent(me), pass_fds=(fd,) if fd is not None else ())
     if fd is not None:
         os.close(fd)  # the server holds it now
 
@@ -330,9 +346,9 @@ def serve(port: int, fd: int | None = None) -> int:
             server.wait(timeout=15)
         except subprocess.TimeoutExpired:
             server.kill()
-        with contextlib.suppress(OSError, ValueError):
-            if json.loads(state_file().read_text()).get("pid") == os.getpid():
-                state_file().unlink()
+        st = read_record()
+        if st is not None and st["pid"] == os.getpid():
+            state_file().unlink(missing_ok=True)
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, stop)
@@ -353,11 +369,10 @@ def shutdown(prefect_home: Path | None = None) -> bool:
     """Stop the shared server of this (or that) Prefect home now (tests, benchmarks, `make clean`); True when one was
     running."""
     record = (prefect_home / "trtforge-server.json") if prefect_home else state_file()
-    try:
-        st = json.loads(record.read_text())
-    except (OSError, ValueError):
+    st = read_record(record)
+    if st is None:
         return False
-    pid = int(st.get("pid", 0))
+    pid = st["pid"]
     if not pid_alive(pid):
         record.unlink(missing_ok=True)
         return False

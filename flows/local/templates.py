@@ -38,9 +38,13 @@ def template(lib: str) -> Path | None:
 def seed(db: Path, lib: str) -> bool:
     """Copy the template of `lib` to `db` when `db` does not exist yet and a template does: True when copied.
     Never over an existing file (hard-linked into place from a private copy), whatever runs beside it."""
+    from flows.local import private
+
     src = template(lib)
     if db.exists() or src is None or not src.is_file():
         return False
+    if private.writable_by_others(src) or private.writable_by_others(src.parent):
+        return False  # a template another user could have written is not copied into the user's database
     db.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{db.name}.", dir=db.parent)
     os.close(fd)
@@ -61,7 +65,14 @@ def _publish(made: Path, lib: str) -> Path:
     dst = template(lib)
     assert dst is not None
     dst.parent.mkdir(parents=True, exist_ok=True)
+    from flows.local import private
+
+    why = private.writable_by_others(dst.parent)
+    if why:
+        raise RuntimeError(f"not writing a template there: {why}")
     tmp = dst.with_name(f".{dst.name}.{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # (a link at the temporary name goes, its target untouched)
     with contextlib.closing(sqlite3.connect(made)) as src, contextlib.closing(sqlite3.connect(tmp)) as out:
         mode = src.execute("PRAGMA journal_mode").fetchone()[0]
         src.backup(out)

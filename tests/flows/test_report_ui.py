@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from html.parser import HTMLParser
 from pathlib import Path
@@ -165,6 +166,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class UI(str):
+    """The UI's address (http://127.0.0.1:PORT), with the address `make ui` printed (`printed`: it logs in) and the
+    Authorization header of its credentials (`auth`)."""
+    printed: str
+    auth: dict
+
+
 @pytest.fixture(scope="module")
 def mlflow_ui(sweep):
     """`python -m flows.ui` (what `make ui` runs) over the sweep's store, stopped with its process group."""
@@ -173,7 +181,7 @@ def mlflow_ui(sweep):
     log = open(sweep[0] / "ui.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "flows.ui", "--port", str(port)], cwd=sweep[0], env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    url = UI(f"http://127.0.0.1:{port}")
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -185,6 +193,11 @@ def mlflow_ui(sweep):
             if proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"the MLflow UI did not come up: {(sweep[0] / 'ui.log').read_text()[-2000:]}")
             time.sleep(0.5)
+        url.printed = re.search(r"open (http://\S+)", (sweep[0] / "ui.log").read_text()).group(1)
+        user, password = re.match(r"http://([^:@/]+):([^@/]+)@127\.0\.0\.1:", url.printed).groups()
+        import base64
+
+        url.auth = {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
         yield url
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -208,13 +221,27 @@ def test_mlflow_ui_shows_the_run_its_artifacts_and_report_in_a_real_browser(swee
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         try:
+            # a browser without the credentials gets the basic-auth challenge, and no page (headless: no prompt)
+            anon = browser.new_context()
+            reply = anon.request.get(f"{mlflow_ui}/")
+            assert reply.status == 401 and reply.headers.get("www-authenticate") == 'Basic realm="mlflow"'
+            anon.close()
             ui = browser.new_page(viewport={"width": 1400, "height": 1000})
+            # the address `make ui` printed logs in and lands on the experiment, at an address without credentials
+            ui.goto(mlflow_ui.printed)
+            ui.wait_for_url(f"{mlflow_ui}/#/experiments/{exp_id}?workflowType=machine_learning", timeout=30_000)
+            # a run opened by its bare address: the model-training view, the Assistant closed, its verdict as its
+            # description
             ui.goto(f"{mlflow_ui}/#/experiments/{exp_id}/runs/{run_id}")
             header = ui.get_by_test_id("runs-header")
             header.wait_for(timeout=90_000)
             assert "tiny-sm_86-fp16" in header.inner_text()
             ui.get_by_text(run_id).first.wait_for(timeout=30_000)
+            ui.get_by_text("tiny → sm_86 fp16", exact=False).first.wait_for(timeout=30_000)
             ui.screenshot(path=str(SHOTS / "1-run.png"))
+            assert ui.evaluate("localStorage.getItem('mlflow.workflowType_v1')") == '"machine_learning"'
+            assert ui.get_by_text("Welcome to MLflow Assistant").count() == 0
+            assert ui.get_by_text("Evaluations", exact=True).count() == 0
 
             ui.get_by_role("tab", name="Artifacts").click()
             for name in ("engine", "reports", "summary.json", "report.html", "config.yaml"):
@@ -225,7 +252,10 @@ def test_mlflow_ui_shows_the_run_its_artifacts_and_report_in_a_real_browser(swee
 
             # the MLflow server serves the very report.html the result folder holds
             url = f"{mlflow_ui}/get-artifact?path=report.html&run_uuid={run_id}"
-            served = urllib.request.urlopen(url, timeout=30).read()
+            with pytest.raises(urllib.error.HTTPError) as refused:  # not without the credentials
+                urllib.request.urlopen(url, timeout=30)
+            assert refused.value.code == 401
+            served = urllib.request.urlopen(urllib.request.Request(url, headers=mlflow_ui.auth), timeout=30).read()
             assert served == (Path(s["out_dir"]) / "report.html").read_bytes()
             # (MLflow serves it as a download; a person opens it from there or from the result folder)
 
