@@ -17,7 +17,7 @@ import socket
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from flows.local.locks import locked, named_lock, pid_alive  # noqa: F401  (named_lock: used by flows)
 from flows.local.private import for_user

@@ -69,12 +69,10 @@ def run_sweep(combos: list[list[str]], config_dir: str | None, report: Callable[
             work.append(ov)
     if not work:
         return code
-    from flows.local import daemon, server as prefect_server
+    from flows.local import server as prefect_server
 
     prefect_server.ensure()  # the workers report to the machine's shared local server (PREFECT_API_URL is inherited)
-    # in a warm build process the workers are forked from it, everything imported, when it has one thread (counted by
-    # the kernel: native pools too); else spawned (fresh interpreters)
-    context = get_context("fork" if daemon.WARM and daemon.threads() == 1 else "spawn")
+    context = get_context("spawn")  # fresh interpreters, in a warm build process too
     with prefect_server.lease(), ProcessPoolExecutor(jobs(len(work)), mp_context=context,
                                                      initializer=_die_with_parent) as pool:
         for f in as_completed([pool.submit(_worker_build, run_build, ov, config_dir) for ov in work]):

@@ -42,7 +42,6 @@ def _serve_socket(port: int, fd: int) -> int:
 
     import uvicorn
 
-    import prefect
     import prefect.settings as ps
     from prefect.server.api.server import create_app
     from prefect.settings import temporary_settings

@@ -133,7 +133,7 @@ def stop_everything(user, env: dict) -> None:
     """The user's warm processes and shared Prefect server, stopped by the test that started them."""
     from flows.local.server import shutdown
 
-    for pid in processes_of(user.pw_uid, "flows.local.daemon"):
+    for pid in processes_of(user.pw_uid, "flows.local.warm"):
         os.kill(pid, signal.SIGTERM)
     shutdown(Path(env["PREFECT_HOME"]))
 
@@ -164,7 +164,7 @@ def test_a_runtime_folder_squatted_before_the_first_build_is_refused_and_nothing
         assert f"trtforge: warning: {run} belongs to uid {squatter.pw_uid}" in first.stderr, first.stderr
         assert "the build runs in its own process" in first.stderr
         time.sleep(3)  # a warm process would have been started by now
-        assert not processes_of(peer.pw_uid, "flows.local.daemon"), "a warm process started in a squatted folder"
+        assert not processes_of(peer.pw_uid, "flows.local.warm"), "a warm process started in a squatted folder"
         assert sorted(p.name for p in run.iterdir()) == sorted([f"{ident}.log", f"{ident}.pid"])  # nothing added
         assert {n: (f.read_bytes(), f.stat().st_mtime_ns) for n, f in victim_files.items()} == before
         assert not list((cache / "trtforge" / "private").iterdir())  # no secret written where others can read it
