@@ -279,6 +279,37 @@ def failure_text(failure: BaseException | str) -> str:
             else str(failure))[:5000]
 
 
+def run_tags(summary: dict, owner: dict, provenance: dict[str, str], versions: dict[str, str]) -> dict:
+    """A build's run tags: model, target, precision, who runs it, provenance, library versions, the data sets, the
+    metrics that are words, the description (its verdict) and, per cached stage, the run that measured it."""
+    from flows.context import origin_text  # a cached stage's numbers were measured by another run: say which
+
+    tags = {"model": summary["model"], "target": summary["target"], "precision": summary["precision"],
+            **owner, "cache_key": summary["cache_key"],
+            **{f"trtforge.{k}": v for k, v in provenance.items()},
+            **{f"version.{k}": v for k, v in versions.items()},
+            **{f"{k}.data": f"{d.get('samples')} samples: {d.get('source', '')}"[:5000]
+               for k, d in summary.get("data", {}).items()},  # what calibrated, judged the search, validated
+            **{k: v for k, v in summary.get("metrics", {}).items() if isinstance(v, str)},
+            NOTE: note(summary)}
+    tags.update({f"cached_from.{stage}": origin_text(s["cached_from"])
+                 for stage, s in summary["stages"].items() if s.get("cached_from")})
+    return tags
+
+
+def run_metrics(summary: dict) -> dict[str, float]:
+    """A build's finite numeric metrics (dicts of numbers such as flops_share as "flops_share.fp16") and each stage's
+    seconds."""
+    flat = {}
+    for k, v in summary.get("metrics", {}).items():
+        flat.update({f"{k}.{kk}": vv for kk, vv in v.items()} if isinstance(v, dict) else {k: v})
+    metrics = {k: float(v) for k, v in flat.items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(float(v)) != float("inf")}
+    metrics.update({f"stage_seconds.{st}": float(s["seconds"]) for st, s in summary["stages"].items()
+                    if s.get("seconds") is not None})
+    return metrics
+
+
 def log_build(*, experiment: str, summary: dict, params: dict[str, str], resolved_yaml: str, out_dir: Path,
               engine_files: list[Path], versions: dict[str, str], build_id: str, provenance: dict[str, str],
               tolerance: float | None = None, started: float | None = None, pid: int | None = None) -> dict[str, str]:
@@ -314,24 +345,7 @@ def log_build(*, experiment: str, summary: dict, params: dict[str, str], resolve
         c.set_tag(rid, "trtforge.heartbeat", str(now_ms()))
 
     try:
-        tags = {"model": summary["model"], "target": summary["target"], "precision": summary["precision"],
-                **owner, "cache_key": summary["cache_key"],
-                **{f"trtforge.{k}": v for k, v in provenance.items()},
-                **{f"version.{k}": v for k, v in versions.items()},
-                **{f"{k}.data": f"{d.get('samples')} samples: {d.get('source', '')}"[:5000]
-                   for k, d in summary.get("data", {}).items()},  # what calibrated, judged the search, validated
-                **{k: v for k, v in summary.get("metrics", {}).items() if isinstance(v, str)},
-                NOTE: note(summary)}
-        from flows.context import origin_text  # a cached stage's numbers were measured by another run: say which
-        tags.update({f"cached_from.{stage}": origin_text(s["cached_from"])
-                     for stage, s in summary["stages"].items() if s.get("cached_from")})
-        flat = {}
-        for k, v in summary.get("metrics", {}).items():  # dicts of numbers (flops_share) as "flops_share.fp16"
-            flat.update({f"{k}.{kk}": vv for kk, vv in v.items()} if isinstance(v, dict) else {k: v})
-        metrics = {k: float(v) for k, v in flat.items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(float(v)) != float("inf")}
-        metrics.update({f"stage_seconds.{st}": float(s["seconds"]) for st, s in summary["stages"].items()
-                        if s.get("seconds") is not None})
+        tags, metrics = run_tags(summary, owner, provenance, versions), run_metrics(summary)
         ts = now_ms()
         items = ([RunTag(k, str(v)) for k, v in tags.items()], [Param(k, v) for k, v in params.items()],
                  [Metric(k, v, ts, 0) for k, v in metrics.items()])
