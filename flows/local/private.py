@@ -92,19 +92,23 @@ def writable_by_others(path: Path) -> str | None:
     return None
 
 
-def ensure(path: Path) -> Path:
-    """`path` as a private folder of this user, made (mode 0700) when missing; NotPrivate when it is not private."""
+def ensure(path: Path, what: str | None = None) -> Path:
+    """`path` as a private folder of this user, made (mode 0700) when missing; NotPrivate (exit 2) naming it, why and
+    the fix when it is not. With `what` (who keeps its state there) the message says so and why it matters: nothing is
+    written there, and nothing read from it trusted."""
+    name = f"{what} {path}" if what else str(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         os.mkdir(path, 0o700)
     except FileExistsError:
         pass
     except OSError as e:
-        raise NotPrivate(f"{path} cannot be made ({e.strerror})",
+        raise NotPrivate(f"{name} cannot be made ({e.strerror})",
                          fix=f"make {path} yourself with mode 0700, or point it elsewhere") from None
     why = problem(path)
     if why:
-        raise NotPrivate(f"{path} {why}", fix=fix_for(path, why))
+        risk = ": other users could plant links or records there, or read it" if what else ""
+        raise NotPrivate(f"{name} {why}{risk}", fix=fix_for(path, why))
     return path
 
 
@@ -117,21 +121,8 @@ def fix_for(path: Path, why: str) -> str:
 
 
 def require(path: Path, what: str) -> Path:
-    """`path` as a private folder of this user (made 0700 when missing), for `what` keeps its state there; NotPrivate
-    (exit 2) naming it, why and the fix when it is not: nothing is written there, and nothing read from it trusted."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    except OSError as e:
-        raise NotPrivate(f"{what} {path} cannot be made ({e.strerror})",
-                         fix=f"make {path} yourself with mode 0700, or point it elsewhere") from None
-    why = problem(path)
-    if why:
-        raise NotPrivate(f"{what} {path} {why}: other users could plant links or records there, or read it",
-                         fix=fix_for(path, why))
-    return path
+    """`path` as a private folder of this user for `what`, which keeps its state there (ensure with `what`)."""
+    return ensure(path, what)
 
 
 def warn(e: NotPrivate, what: str) -> None:
