@@ -9,7 +9,7 @@ Compares, on the same ONNX file and the same settings:
      SM86 only, one optimization profile, build_serialized_network), timed parse and build;
   3. raw ONNX Runtime (InferenceSession, CPUExecutionProvider) at the opt shape 1x3x640x640, p50 over N runs,
      next to the benchmark stage's `ort_p50_ms`.
-Then the fixed overheads against issue 18's goals: process start + imports, the shared local Prefect server
+Then the fixed overheads against their goals (GOALS): process start + imports, the shared local Prefect server
 (flows/local/server.py) and the first flow, and MLflow logging, measured by a
 probe subprocess, with the remainder (wall time minus stage seconds) split as far as the runs allow.
 
@@ -40,7 +40,7 @@ MODEL, TARGET = "ppocr_det", "sm_86"
 PROFILE = {"x": {"min": (1, 3, 32, 32), "opt": (1, 3, 640, 640), "max": (4, 3, 1280, 1280)}}  # conf/model/ppocr_det.yaml
 OPT_LEVEL = 3  # conf default build.optimization_level
 # the goals for the overhead (wall time minus the sum of stage seconds) of a build in its own process, the default
-# (issue 30): on existing state (Prefect home, MLflow store, local Prefect server) and a fresh machine's first build
+# on existing state (Prefect home, MLflow store, local Prefect server) and a fresh machine's first build
 GOALS = {"existing": 3.0, "fresh": 5.0}
 ORT_WARMUP = 3  # conf default benchmark.warmup (the pipeline times repeats x iterations = 3 x 10 = 30 runs)
 from tasks.schema import STAGES  # noqa: E402

@@ -1,4 +1,4 @@
-"""Profiles from traffic vs one hand-written wide profile, on the same traffic (issue 19's benchmark).
+"""Profiles from traffic vs one hand-written wide profile, on the same traffic.
 
 The traffic: benchmarks/traffic_data.py (document pages from phones and scanners as PP-OCRv4 det is fed them, batches
 1..4, 20 009 requests). The model: the default det model (PP-OCRv4 det, fp32 graph). Compared, for

@@ -226,7 +226,8 @@ def _calibrate(ctx: BuildContext) -> StageResult:
     p, c = ctx.cfg.precision, ctx.cfg.calibration
     cal, held = ctx.data.calibration, ctx.data.search
     segs, plan, model = trt_segments(ctx), ctx.results["partition"].details, ctx.results["export"].files["onnx"]
-    # the margin grows when few samples judge the search (held-out and calibration samples, tasks.search.restore.judged_samples)
+    # the margin grows when few samples judge the search (held-out and calibration samples,
+    # tasks.accuracy.budget.judged_samples)
     judged = judged_samples(held.samples if held else 0, cal.samples)
     goal = search_goal(ctx, segs, judged) if c.search else None
     target = goal.target if goal is not None else None

@@ -200,9 +200,10 @@ class Metric:
     # --- the search ------------------------------------------------------------------------------------------
     def judge(self, margin_share: float = 0.0) -> "SearchJudge":
         """What the accuracy search judges a candidate with: a value per feed (higher is better) and its target.
-        ``margin_share``: the share of the allowed error the search keeps in reserve (tasks/search.search_target with
-        a budget of 0): cosine and top1 aim that share of (1 - threshold) above their threshold; allclose tightens
-        its tolerances by it; a user function passes or not (1.0 / 0.0, target 1.0)."""
+        ``margin_share``: the share of the allowed error the search keeps in reserve
+        (tasks.accuracy.budget.search_target with a budget of 0): cosine and top1 aim that share of (1 - threshold)
+        above their threshold; allclose tightens its tolerances by it; a user function passes or not (1.0 / 0.0, target
+        1.0)."""
         m = min(max(float(margin_share), 0.0), 1.0)
         if self.name == "cosine":
             from tasks.accuracy.budget import search_target

@@ -50,9 +50,10 @@ def onnx_at_precision(fp32_path: Path, precision: str, out_path: Path, keep_fp32
                       search: dict | None = None) -> StageResult:
     """Precision is a property of the graph (strongly typed networks): "as_is" (a model that arrived quantized, as
     shipped), fp32 (a model that works in fp16 computed in fp32: its fp16 weights and casts upcast), fp16 converted
-    (``keep_fp32``, ``cancel_fp32``, ``tiny_fp32``: values whose nodes stay fp32, tasks.fp16.convert.fp16_hazards_from_data).
-    ``search`` (fp16): {"feeds", "target", "samples_text", "budget", "metric" (tasks/accuracy.SearchJudge, optional)}:
-    the nodes to keep fp32 until the held-out samples meet the target (tasks.fp16.search)."""
+    (``keep_fp32``, ``cancel_fp32``, ``tiny_fp32``: values whose nodes stay fp32,
+    tasks.fp16.hazards.fp16_hazards_from_data). ``search`` (fp16): {"feeds", "target", "samples_text", "budget",
+    "metric" (tasks.accuracy.metric.SearchJudge, optional)}: the nodes to keep fp32 until the held-out samples meet the
+    target (tasks.fp16.search)."""
     t0 = time.perf_counter()
     if precision == "as_is":
         shutil.copyfile(fp32_path, out_path)

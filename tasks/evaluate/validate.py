@@ -68,7 +68,7 @@ def validate_onnx(reference: Path, candidate: Path | Callable, feeds: list[dict[
 
     ``metric`` (tasks/accuracy.Metric; default: cosine with ``min_cosine``) is what gates: its value per output and
     per sample is the report's ``accuracy``; the cosine statistics are reported whatever the metric.
-    ``logits``: ``{"finals": tasks.accuracy.metric.final_activations(...), "reference": feed -> {logit tensor: array},
+    ``logits``: ``{"finals": tasks.accuracy.logits.final_activations(...), "reference": feed -> {logit tensor: array},
     "candidate": the same for the candidate}`` (or ``{"finals", "reason"}`` when the candidate's logits cannot be
     read): cosine and allclose on the logits of outputs from a final Softmax/Sigmoid/LogSoftmax, reported, and gating
     too with ``accuracy.gate_logits``.

@@ -8,7 +8,7 @@ Judged on the search's held-out samples (never the validation set), with the fai
 (tasks/onnxrt/emulate.py: every fp16 value rounded after each op, control-flow bodies included), by ``accuracy.metric`` as the
 int8 search judges (tasks/quantization/calibrate.py): cosine by its pooled figure over the samples (validate's statistic) less one
 standard error (``tasks.accuracy.metrics.pooled_estimate``), another metric (allclose, top1, the user's) by its worst sample
-against its own target (``tasks/accuracy.SearchJudge``), in a few whole-model runs:
+against its own target (``tasks.accuracy.metric.SearchJudge``), in a few whole-model runs:
 
 1. the fp16 graph as converted is scored on every held-out sample; when it meets the target, nothing is kept;
 2. else each top-level node that computes in fp16 is ranked by the error it adds (``error_growth``): from ONE fp32
@@ -104,9 +104,9 @@ def error_growth(fp32: onnx.ModelProto, model16: onnx.ModelProto, names: list[st
 
 class Judge:
     """Scores converted graphs on the held-out samples against the fp32 references, one emulated session each, as the
-    int8 search judges (tasks/quantization/calibrate.py): ``metric`` (tasks/accuracy.SearchJudge) cosine, or None: the pooled cosine
-    less ``z`` standard errors (``tasks.accuracy.metrics.pooled_estimate``, validate's statistic); another metric: its worst
-    feed (``SearchJudge.value``)."""
+    int8 search judges (tasks/quantization/calibrate.py): ``metric`` (tasks.accuracy.metric.SearchJudge) cosine, or
+    None: the pooled cosine less ``z`` standard errors (``tasks.accuracy.metrics.pooled_estimate``, validate's
+    statistic); another metric: its worst feed (``SearchJudge.value``)."""
 
     def __init__(self, feeds: list[Feed], refs: list[dict], metric=None, z: float | None = None):
         from tasks.search.judging import JUDGE_Z
@@ -135,8 +135,8 @@ class Judge:
         return counted
 
     def estimate(self, model16: onnx.ModelProto):
-        """The graph on every sample: ``tasks.quantization.calibrate.Judged`` (the pooled cosine, its standard error and the bound
-        less ``z`` of them; another metric: its worst feed as all three) with the worst single sample's cosine."""
+        """The graph on every sample: ``tasks.search.judging.Judged`` (the pooled cosine, its standard error and the
+        bound less ``z`` of them; another metric: its worst feed as all three) with the worst single sample's cosine."""
         from tasks.search.judging import Judged
 
         run = self._runner(model16)
@@ -161,14 +161,14 @@ def fp16_within_budget(fp32_path: Path, out_path: Path, feeds: list[Feed], targe
                        metric=None, samples_text: str = "held-out samples", budget: float | None = None) -> StageResult:
     """The fp16 graph of ``fp32_path`` that meets ``target`` on the held-out ``feeds`` with the fewest nodes kept fp32
     (see the module doc), written to ``out_path``. ``convert(keep_nodes)`` converts the fp32 model with those nodes
-    kept fp32 (and whatever the data decided). ``metric`` (tasks/accuracy.SearchJudge; None: cosine) judges as the
-    int8 search does: cosine by its pooled figure less one standard error, another metric by its worst feed; ``target``
-    is on the metric's scale. Metrics, under the int8 search's names: cosine: ``search_cosine``, ``search_cosine_se``,
-    ``search_cosine_bound`` (the written graph) and ``search_cosine_fp16`` (the graph as converted, pooled); another
-    metric: ``search_metric``, ``search_score_worst_feed``, ``search_score_fp16``; both: ``search_cosine_worst_feed``
-    (the written graph's worst sample), ``fallback_layers`` (nodes the search kept fp32), ``search_samples``,
-    ``search_runs``, ``search_seconds``; details: the kept nodes with what each costs, and the ranking
-    (``sensitivity``, as the int8 search reports it)."""
+    kept fp32 (and whatever the data decided). ``metric`` (tasks.accuracy.metric.SearchJudge; None: cosine) judges as
+    the int8 search does: cosine by its pooled figure less one standard error, another metric by its worst feed;
+    ``target`` is on the metric's scale. Metrics, under the int8 search's names: cosine: ``search_cosine``,
+    ``search_cosine_se``, ``search_cosine_bound`` (the written graph) and ``search_cosine_fp16`` (the graph as
+    converted, pooled); another metric: ``search_metric``, ``search_score_worst_feed``, ``search_score_fp16``; both:
+    ``search_cosine_worst_feed`` (the written graph's worst sample), ``fallback_layers`` (nodes the search kept fp32),
+    ``search_samples``, ``search_runs``, ``search_seconds``; details: the kept nodes with what each costs, and the
+    ranking (``sensitivity``, as the int8 search reports it)."""
     from tasks.graph.models import save_onnx
     from tasks.data.inputs import batch_size
 

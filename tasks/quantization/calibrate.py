@@ -64,13 +64,14 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
     ``high_precision`` instead of refused.
     Metrics ``search_cosine_worst_feed`` (the written graph) and ``search_cosine_all_quantized`` (every layer) are
     absent when ONNX Runtime cannot run the graph (float8 on a CPU build), never a made-up 1.0.
-    ``metric`` (tasks/accuracy.SearchJudge, default cosine): what judges a candidate and meets ``min_cosine`` (its
-    target, on the metric's scale); the layers are ranked by cosine whatever the metric. With another metric than
+    ``metric`` (tasks.accuracy.metric.SearchJudge, default cosine): what judges a candidate and meets ``min_cosine``
+    (its target, on the metric's scale); the layers are ranked by cosine whatever the metric. With another metric than
     cosine, ``search_score_worst_feed`` is its value on the written graph and ``search_cosine_worst_feed`` its cosine.
-    ``through`` (tasks/segments.Through, for a TensorRT segment of a hybrid model, on the model feeds that correspond to
-    ``judge_feeds_of(feeds, eval_feeds)``): every candidate is judged on the model's outputs, the rest of the model run
-    on the segment's candidate outputs (a native decoding Loop after a backbone turns a small error into another token
-    sequence, which the segment's own outputs do not show); layers are still ranked on the segment's own outputs.
+    ``through`` (tasks.partition.segments.Through, for a TensorRT segment of a hybrid model, on the model feeds that
+    correspond to ``judge_feeds_of(feeds, eval_feeds)``): every candidate is judged on the model's outputs, the rest of
+    the model run on the segment's candidate outputs (a native decoding Loop after a backbone turns a small error into
+    another token sequence, which the segment's own outputs do not show); layers are still ranked on the segment's own
+    outputs.
     """
     precision = str(precision).lower()
     choose = method is None and precision == "int8"
@@ -88,7 +89,7 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
             Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="trtforge-calib-")))
         work.mkdir(parents=True, exist_ok=True)
         stack.enter_context(quiet_python_logging())
-        workers, threads = run_workers()  # the references a few at a time (tasks/ort.ordered_runs)
+        workers, threads = run_workers()  # the references a few at a time (tasks.onnxrt.ort.ordered_runs)
         run_fp32 = ort_runner(fp32_path, stage=STAGE, threads=threads)
         ref = list(ordered_runs(run_fp32, judge_feeds, workers))
         prepared, prep_info = prepare_graph(fp32_path, work / "fp32_prepared.onnx", eval_feeds[:PREPARE_FEEDS],
@@ -205,8 +206,8 @@ def qdq_for_segments(segments: list[dict], feeds_for: Callable[[int], list[Feed]
     sees of the calibration and search samples; the layer counts summed, each search cosine the lowest segment's
     (absent when no segment measured it), and the sensitivity report of all. A segment without a layer to quantize
     (one of several) is written at the high precision; a model with none at all is refused. ``rest``
-    (tasks/segments.Rest on the model feeds ``judge_feeds_of`` picks from the model's calibration and search samples):
-    each segment's candidates are judged through the rest of the model, on its outputs (``qdq_from_onnx``)."""
+    (tasks.partition.segments.Rest on the model feeds ``judge_feeds_of`` picks from the model's calibration and search
+    samples): each segment's candidates are judged through the rest of the model, on its outputs (``qdq_from_onnx``)."""
     from tasks.report.sensitivity import sensitivity_report
 
     files, per_segment, details = {}, [], []

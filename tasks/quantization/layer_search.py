@@ -38,7 +38,7 @@ class SearchState:
     choose: bool  # int8 without a method given: each tensor's range chosen by its local error
     min_cosine: float | None
     high_precision: str
-    metric: object  # tasks/accuracy.SearchJudge
+    metric: object  # tasks.accuracy.metric.SearchJudge
     what: str  # the value the search judges by, in words (messages)
     pooled: bool  # cosine: pooled less its standard error; another metric: its worst feed
     feeds: list[Feed]  # the calibration samples
@@ -47,7 +47,7 @@ class SearchState:
     judged: str  # the judged set, in words
     ref: list[dict]  # the fp32 outputs of judge_feeds
     run_fp32: Callable[[Feed], dict]
-    through: object  # tasks/segments.Through, or None
+    through: object  # tasks.partition.segments.Through, or None
     prepared: Path
     layers: list[str]
     q: Quantizer  # the quantizer of the ranges in use

@@ -1,7 +1,7 @@
 """Q/DQ graphs: the fp32 model with QuantizeLinear/DequantizeLinear on the inputs of chosen layers, as strongly typed
 TensorRT(-RTX) builds them.
 
-Placement (measured to build, see STACK.md "Precision recipes"): Q/DQ only on the inputs of Conv/ConvTranspose/
+Placement (the one measured to build on TensorRT-RTX 1.7.1.116): Q/DQ only on the inputs of Conv/ConvTranspose/
 MatMul/Gemm and on the skip input of residual Adds (what TensorRT fuses), per-channel symmetric weights, symmetric
 activations, bias left in float; every other op at the high precision (fp16 through tasks/fp16/convert.py's converter,
 which keeps fp32 only where fp16 cannot hold the values, or fp32). fp8 (E4M3FN) follows the TensorRT/ModelOpt recipe:

@@ -68,22 +68,23 @@ class Switchable:
         g.node.extend(nodes)
         g.input.extend(helper.make_tensor_value_info(f, TensorProto.BOOL, []) for f in self.flags.values())
         self.high_precision = q.high_precision
-        if q.high_precision == "fp16":  # the remainder as written (tasks/qdq.Quantizer.model) and emulated
+        if q.high_precision == "fp16":  # the remainder as written (``q.model``) and emulated
             m = _fp16_emulated(m, q)
         self.model = _switched_by_if(m, set(self.flags.values()))  # what the session runs
-        # ``workers`` runs at once, on ``threads`` each (tasks/ort.ordered_runs); through the rest of a hybrid model
-        # (other sessions, run for each output) one at a time on ONNX Runtime's threads
+        # ``workers`` runs at once, on ``threads`` each (tasks.onnxrt.ort.ordered_runs); through the rest of a hybrid
+        # model (other sessions, run for each output) one at a time on ONNX Runtime's threads
         self.workers, threads = run_workers() if through is None else (1, 0)
         self.session = ort_session(self.model.SerializeToString(), stage=STAGE, threads=threads)
         self._count = threading.Lock()
         self.feeds, self.refs, self.z = feeds, refs, z
-        # a segment of a hybrid model (tasks/segments.Through): candidates are judged on the model's outputs, the rest of
-        # the model run on the segment's outputs (feed k of ``feeds`` is the model's feed k, ``refs`` its fp32 outputs)
+        # a segment of a hybrid model (tasks.partition.segments.Through): candidates are judged on the model's outputs,
+        # the rest of the model run on the segment's outputs (feed k of ``feeds`` is the model's feed k, ``refs`` its
+        # fp32 outputs)
         self.through = through
         self.judged_feeds = through.feeds if through is not None else feeds  # what a metric is given as the inputs
         self.judged_refs = through.refs if through is not None else refs
-        # another accuracy metric's value of one feed, higher is better (tasks/accuracy.SearchJudge.value): judged on
-        # the worst feed; None: the pooled cosine less z standard errors
+        # another accuracy metric's value of one feed, higher is better (tasks.accuracy.metric.SearchJudge.value):
+        # judged on the worst feed; None: the pooled cosine less z standard errors
         self.judge = judge
         self.runs = 0  # whole-model runs (one feed each)
         self._norms = output_norms(self.judged_refs)
@@ -152,7 +153,7 @@ def _switched_by_if(m: onnx.ModelProto, flags: set[str]) -> onnx.ModelProto:
     """Each switch ``Where(flag, quantized, float)`` as an ``If`` on its flag, the quantized input's own chain (its
     activation's QuantizeLinear, DequantizeLinear and fp16 rounding, read by nothing else) moved into the branch that
     takes it: a layer left at high precision computes no Q/DQ, and neither branch copies a tensor (a Where over every
-    element of an activation was a third of a run on PP-OCRv4 det). The same ops on the same values: the same
+    element of an activation costs a third of a run on PP-OCRv4 det). The same ops on the same values: the same
     numbers. Chains of constants (a weight's DequantizeLinear) stay outside, where ONNX Runtime folds them."""
     g = m.graph
     made = {o: n for n in g.node for o in n.output}
@@ -207,10 +208,11 @@ def _switched_by_if(m: onnx.ModelProto, flags: set[str]) -> onnx.ModelProto:
 
 def _fp16_emulated(m: onnx.ModelProto, q) -> onnx.ModelProto:
     """The switchable graph with its float remainder in fp16 as ``q.model`` writes it (the same converter, the same
-    fp32 keeps), rounded as validate emulates it (tasks/emulate.fp16_rounded): a quantized layer's flag off reads the
-    fp16 tensor and fp16 weights, as the written graph's unquantized layer does. The search then judges the graph that
-    ships, not its fp32-remainder sibling: on PP-OCRv4 det's flat text pages the two differ by up to 0.012 per page
-    (int8 rounding of a flat background lands on either side of a step, so a tiny change of its value flips the page)."""
+    fp32 keeps), rounded as validate emulates it (tasks.onnxrt.emulate.fp16_rounded): a quantized layer's flag off reads
+    the fp16 tensor and fp16 weights, as the written graph's unquantized layer does. The search then judges the graph
+    that ships, not its fp32-remainder sibling: on PP-OCRv4 det's flat text pages the two differ by up to 0.012 per
+    page (int8 rounding of a flat background lands on either side of a step, so a tiny change of its value flips the
+    page)."""
     from tasks.onnxrt.emulate import fp16_rounded
     from tasks.fp16.convert import fp16_from_onnx
 
@@ -229,9 +231,9 @@ SELECTING_OPS = frozenset({"Where", "Relu", "Clip", "Concat", "MaxPool", "Global
 
 
 def _without_exact_rounding(m: onnx.ModelProto) -> onnx.ModelProto:
-    """The emulated graph without the fp16 rounding (a Cast to fp16 and back, tasks/emulate.fp16_rounded) of values
-    that ``SELECTING_OPS`` make: such a value is fp16 in the written graph, so are the inputs it is selected from (ONNX
-    types them alike) and the emulation rounded those where they were made: the rounding is the identity. The
+    """The emulated graph without the fp16 rounding (a Cast to fp16 and back, tasks.onnxrt.emulate.fp16_rounded) of
+    values that ``SELECTING_OPS`` make: such a value is fp16 in the written graph, so are the inputs it is selected
+    from (ONNX types them alike) and the emulation rounded those where they were made: the rounding is the identity. The
     switchable graph computes the same numbers with fewer passes over the activations (PP-OCRv4 det: 173 of 466
     roundings, those after its Where switches, Clip and Relu)."""
     g = m.graph
@@ -312,7 +314,7 @@ def local_errors(quantizers: dict[str, object], fp32_path, feeds: list[dict],
     for method, q in quantizers.items():
         probes[method] = probe_model(q, q.qdq(q.layers), fp32)
     names = list(dict.fromkeys(x for m, need, outs in probes.values() for x in (*need, *outs.values())))
-    workers, threads = run_workers()  # feeds captured and probed a few at a time (tasks/ort.ordered_runs)
+    workers, threads = run_workers()  # feeds captured and probed a few at a time (tasks.onnxrt.ort.ordered_runs)
     sessions = {method: ort_session(m.SerializeToString(), stage=STAGE, threads=threads)
                 for method, (m, _, _) in probes.items()}
     num = {method: {} for method in probes}

@@ -26,8 +26,8 @@ def meets_target(run: Callable[[dict], dict], feeds: list[dict], refs: list[dict
     over the whole set; another metric: the first feed below). Returns (meets, the pooled estimate when every feed
     ran, else None; ``sums_of``, if given, gets each feed's ``pooled_sums`` by its index, and the feeds it holds already
     are not run again but counted first). ``workers``: feeds run that many at a time (``run`` must be thread-safe;
-    tasks/ort.ordered_runs), judged in the same order, with the same verdict and figure. Shared by the int8 search
-    (``Switchable``) and fp16's (tasks/fp16/search.py)."""
+    tasks.onnxrt.ort.ordered_runs), judged in the same order, with the same verdict and figure. Shared by the int8
+    search (``Switchable``) and fp16's (tasks/fp16/search.py)."""
     known = dict(sums_of) if sums_of else {}
     order = sorted(range(len(feeds)), key=lambda i: (i not in known, -miss.get(i, 0.0)))
 
@@ -101,7 +101,7 @@ class Judged:
     def of(cls, outs: list[dict], refs: list[dict], feeds: list[Feed], metric=None, z: float = JUDGE_Z,
            held: int | None = None) -> "Judged":
         """The figure of ``outs`` (one output dict per feed) against ``refs``, as both searches judge: with ``metric``
-        (tasks/accuracy.SearchJudge, not cosine) its worst feed as all three; else the pooled cosine less ``z``
+        (tasks.accuracy.metric.SearchJudge, not cosine) its worst feed as all three; else the pooled cosine less ``z``
         standard errors (``tasks.accuracy.metrics.pooled_estimate``, validate's statistic). ``worst``: the lowest cosine of the
         first ``held`` feeds (the held-out ones; default all)."""
         held = len(outs) if held is None else held

@@ -6,10 +6,11 @@ layer's own output error with only it quantized, from fp32 activations: no whole
 
 It searches from every layer quantized towards fewer, restoring the most harmful layers per FLOP first, then screens
 the large restored layers in the configuration found (each one's loss on top of it) and takes back what fits: the
-screen, not the ranking, decides most of what ends up quantized. Ranking by whole-model runs (the gain of restoring
-each layer alone in the all-int8 graph, one run per layer: 14 s on PP-OCRv4 det; before that, the loss of quantizing
-each alone in the fp32 graph on every search sample: ~180 s) found no better boundary (PP-OCRv4 det 18 + 6 pages:
-12 of 72 layers before the screen, 29 after; ranked locally: 15, then 22 carrying 87% of the FLOPs instead of 79%).
+screen, not the ranking, decides most of what ends up quantized. The ranking is local because whole-model runs cost
+more and find no better boundary: on PP-OCRv4 det (18 + 6 pages), ranking by the gain of restoring each layer alone in
+the all-int8 graph (one run per layer, 14 s) gives 12 of 72 layers before the screen and 29 after, carrying 79% of the
+FLOPs, where the local ranking gives 15, then 22 carrying 87%; ranking by the loss of quantizing each layer alone in
+the fp32 graph on every search sample costs ~180 s.
 """
 from __future__ import annotations
 

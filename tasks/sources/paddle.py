@@ -1,6 +1,6 @@
 """Paddle inference models (format: paddle) to ONNX with paddle2onnx, in a subprocess.
 
-Two converters, measured in ../shared/STACK.md:
+Two converters, each the one measured to convert its format correctly:
 - legacy `inference.pdmodel` (Paddle 2.x programs): paddle2onnx 1.3.1's native module, loaded from its own folder
   without paddle (its package __init__ imports paddle). paddle2onnx 2.1.0 converts Paddle 2.x rec/cls into ONNX that
   ONNX Runtime refuses; 1.3.1 converts det, rec and cls correctly.

@@ -1,4 +1,4 @@
-"""accuracy.metric end to end (issue 31): a two-class softmax classifier built here at int8 (real TensorRT-RTX builds,
+"""accuracy.metric end to end: a two-class softmax classifier built here at int8 (real TensorRT-RTX builds,
 the real int8 search in ONNX Runtime, a real MLflow store and Prefect), gated by allclose, by a user function from the
 config dir, and guarded by it in a scheduled rebuild."""
 from __future__ import annotations

@@ -335,8 +335,8 @@ def test_int8_from_calibration_data_is_quantized_validated_and_cached_across_tar
 
 
 def test_the_cli_ends_when_an_int8_build_is_done(user_config_dir, tiny_calibration, tmp_path):
-    """An int8 build with an accuracy budget runs its calibration two pages at a time (tasks/ort.ordered_runs): the
-    CLI still ends as soon as the build is published (it joins every thread that is not a daemon before it exits; a
+    """An int8 build with an accuracy budget runs its calibration two pages at a time (tasks.onnxrt.ort.ordered_runs):
+    the CLI still ends as soon as the build is published (it joins every thread that is not a daemon before it exits; a
     thread pool's workers held it up forever)."""
     r = cli(["--config-dir", str(user_config_dir), "model=tiny", "precision=int8", "target=sm_86",
              f"calibration.data={tiny_calibration}", "accuracy.min_cosine=0.98", "stages.benchmark=false",
@@ -349,7 +349,7 @@ def test_the_cli_ends_when_an_int8_build_is_done(user_config_dir, tiny_calibrati
 
 @pytest.mark.slow
 def test_ppocr_det_int8_meets_the_budget_with_most_layers_int8_and_rebuilds_from_cache(prefect_harness, tmp_path):
-    """Issue 3's bar: calibration on text images, accuracy.min_cosine=0.99 met with at least half the conv FLOPs int8;
+    """The int8 bar: calibration on text images, accuracy.min_cosine=0.99 met with at least half the conv FLOPs int8;
     an identical second build is served from the cache in at most a quarter of the time."""
     import time
 
@@ -418,8 +418,8 @@ def test_on_a_supported_gpu_the_engines_are_validated_and_timed(prefect_harness,
 
 
 def test_two_input_encoder_validates_on_shapes_where_both_inputs_agree(prefect_harness, two_input_conf, tmp_path):
-    """The real failure: input_ids and attention_mask (distinct dim names, tied by the graph) were drawn [14, 85] and
-    [9, 40]. Now every drawn shape agrees, the build is ok, and summary.json says what validated."""
+    """input_ids and attention_mask have distinct dim names but are tied by the graph, so drawing them apart (e.g.
+    [14, 85] and [9, 40]) fails: every drawn shape agrees, the build is ok, and summary.json says what validated."""
     s = build(["model=encoder", "precision=fp16", "validation.samples=6", "stages.benchmark=false"], two_input_conf, tmp_path)
     assert s["status"] == "ok", s.get("error")
     feeds = json.loads((Path(s["out_dir"]) / "validation.json").read_text())["feeds"]

@@ -1,4 +1,4 @@
-"""A dynamically quantized model built dequantized (issue 29 item 5): when it departs from the model as shipped, the
+"""A dynamically quantized model built dequantized: when it departs from the model as shipped, the
 refusal says why (the engine computes the float model the quantized one approximates, how far the two are apart on
 these inputs, that the inputs are random) and the user can pick the reference, recorded (real builds)."""
 from __future__ import annotations

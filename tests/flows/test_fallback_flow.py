@@ -1,4 +1,4 @@
-"""The build fallback learns the class of a failure (issue 29 item 4): when TensorRT fails the same way on many nodes,
+"""The build fallback learns the class of a failure: when TensorRT fails the same way on many nodes,
 the bisection finds one, and every node of its kind runs in ONNX Runtime after one re-plan (real TensorRT-RTX builds)."""
 from __future__ import annotations
 

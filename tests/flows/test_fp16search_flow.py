@@ -1,4 +1,4 @@
-"""fp16 under the accuracy budget through the whole flow (issue 29 item 3): a decoder whose autoregressive Loop
+"""fp16 under the accuracy budget through the whole flow: a decoder whose autoregressive Loop
 diverges in fp16 builds at fp16 with the Loop kept fp32 (real TensorRT-RTX build), judged on samples held out of
 calibration.data that validation never sees; a budget fp16 cannot meet fails in the build with the search's figure."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""int8 of a model split around a native decoding Loop (issue 29 item 3's class at int8, SLANet-plus): the accuracy
+"""int8 of a model split around a native decoding Loop (SLANet-plus's class, at int8): the accuracy
 search judges every candidate through the rest of the model on the model's own outputs, not the TensorRT segment by
 its own outputs. Real TensorRT-RTX builds, real ONNX Runtime."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Weight-only int8 written as arithmetic (issue 29 item 1): int8 constant -> Cast -> Mul(scale), as torch exporters
+"""Weight-only int8 written as arithmetic: int8 constant -> Cast -> Mul(scale), as torch exporters
 write a weight stored quantized. TensorRT refuses the int8 constant anywhere but before a DequantizeLinear; the build
 expresses it as one and builds at fp32, fp16 and int8 (real TensorRT-RTX builds)."""
 from __future__ import annotations

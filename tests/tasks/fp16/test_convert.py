@@ -432,8 +432,8 @@ def _if_model():
     """Silero-VAD-style If: the branches read the fp32 graph input ``state`` (also
     used by a top-level Shape, kept fp32), a top-level fp16 tensor, an outer
     initializer, and a nested If reads ``state`` two scopes up; a Max (blocked,
-    fp32) inside a branch reads a top-level tensor.  The converter used to point
-    the branches at a per-consumer input Cast that was removed afterwards
+    fp32) inside a branch reads a top-level tensor.  The branches must not point
+    at a per-consumer input Cast that is removed afterwards
     (TensorRT: "Node input was not registered"; ORT: not topologically sorted)."""
     rng = np.random.default_rng(6)
     inits = [
@@ -531,7 +531,7 @@ def test_if_branch_reads_outer_scope_tensors_tensorrt_build():
 def test_model_already_fp16_returned_unchanged():
     fp16_model, _ = _convert(_tiny_model())
     assert any(t.data_type == TP.FLOAT16 for t in fp16_model.graph.initializer)
-    again, stats = _convert(fp16_model)  # used to raise ValueError
+    again, stats = _convert(fp16_model)  # no ValueError on an fp16 model
     assert stats["already_fp16"] and stats["fp16_tensors_before"] > 0
     assert again.SerializeToString() == fp16_model.SerializeToString()
     assert again is not fp16_model
@@ -595,8 +595,8 @@ def test_model_with_fp16_weights_and_unsorted_nodes_passes_through():
 
 def test_float_cast_inside_an_if_branch_is_retargeted():
     # Silero VAD v6: Cast(to=FLOAT) inside If branches. The converter declares its output fp16 but leaves to=FLOAT;
-    # only the top-level graph was fixed, so ONNX Runtime refused the fp16 model ("Type (tensor(float16)) of
-    # output arg ... does not match expected type (tensor(float))").
+    # retargeting only the top-level graph leaves them, and ONNX Runtime refuses the fp16 model ("Type (tensor(float16))
+    # of output arg ... does not match expected type (tensor(float))").
     rng = np.random.default_rng(9)
     c = nh.from_array((rng.standard_normal(4) * 0.5).astype(np.float32), "c")
     then = oh.make_graph([oh.make_node("Mul", ["x", "c"], ["m"], name="t_mul"),
@@ -732,9 +732,9 @@ def test_the_type_check_names_the_node_and_its_two_types(tmp_path):
 
 
 def test_a_prequantized_encoders_divisions_take_one_type_at_fp16(tmp_path):
-    """Issue 29 item 2's speech encoder class: uint8 Q/DQ (quantize_static's default) around a LayerNorm written with
-    Div and a Div by a temperature; TensorRT-RTX refused its fp16 graph ("ElementWiseOperation DIV must have same input
-    types. But they are of types Half and Float"). Converted now, every Div reads one type, and TensorRT builds it."""
+    """A speech encoder's class: uint8 Q/DQ (quantize_static's default) around a LayerNorm written with Div and a Div
+    by a temperature; TensorRT-RTX refuses an fp16 graph whose Divs mix types ("ElementWiseOperation DIV must have same
+    input types. But they are of types Half and Float"). Converted, every Div reads one type, and TensorRT builds it."""
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
     from tasks.graph.types import mixed_input_types

@@ -1,4 +1,4 @@
-"""fp16 under the accuracy budget (issue 29 item 3): the faithful emulation inside control flow, the search that keeps
+"""fp16 under the accuracy budget: the faithful emulation inside control flow, the search that keeps
 the few nodes fp16 cannot hold (an autoregressive decoding Loop whose argmax flips), and the underflow guard."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""tasks/ort.ordered_runs: runs of one real ONNX Runtime session a few at a time, the results in order and equal to one
-run at a time, nothing left running when the consumer stops."""
+"""tasks.onnxrt.ort.ordered_runs: runs of one real ONNX Runtime session a few at a time, the results in order and equal
+to one run at a time, nothing left running when the consumer stops."""
 from __future__ import annotations
 
 import threading

@@ -89,7 +89,7 @@ def test_contrib_op_the_parser_would_read_by_name_still_runs_natively(tmp_path):
     gelu = next(f for f in r.details["fallback_nodes"] if f["op"] == "Gelu")
     assert "domain com.microsoft" in gelu["reason"] and "partition.trt_domains" in gelu["reason"]
     r2 = plan(m, tmp_path / "trusting", cfg={**CFG, "trt_domains": ["com.microsoft"]})
-    assert "contrib_Gelu_0" not in {f["name"] for f in r2.details["fallback_nodes"]}  # the parser's verdict now
+    assert "contrib_Gelu_0" not in {f["name"] for f in r2.details["fallback_nodes"]}  # trusted: the parser's verdict
 
 
 def branchy_model(path, order):

@@ -1,6 +1,6 @@
-"""The search's switchable session (tasks/sensitivity.Switchable) made cheaper without computing anything else: its
-switches are If nodes whose quantizing branch holds the layer's Q/DQ, and the fp16 rounding of values that ops only
-select (Where, Relu, Clip, Concat, ...) is left out. It must still score exactly the graph that is written."""
+"""The search's switchable session (tasks.quantization.sensitivity.Switchable) made cheaper without computing anything
+else: its switches are If nodes whose quantizing branch holds the layer's Q/DQ, and the fp16 rounding of values that ops
+only select (Where, Relu, Clip, Concat, ...) is left out. It must still score exactly the graph that is written."""
 from __future__ import annotations
 
 import numpy as np

@@ -130,9 +130,9 @@ def test_summary_of_no_float_flops_and_files(graphs, backend):
 
 def test_a_quantized_1d_conv_kept_fp32_by_range_reads_its_dq_directly_and_counts_as_int8(tmp_path, backend):
     """A mel front end's filter bank at int8 on 16-bit audio: its output leaves fp16's range, so the range check keeps
-    it fp32, and its DequantizeLinear nodes were converted to fp16 with a Cast before the Conv, which TensorRT does not
-    fuse (the 'quantized' Conv ran in fp32, flops_share int8 0.0). Now its DQs output fp32 into it, and the parser's
-    Unsqueeze (1-D Conv as 2-D) is looked through as TensorRT does: the Conv counts as int8. Real TensorRT-RTX."""
+    it fp32. Its DQs output fp32 into it (DequantizeLinear nodes converted to fp16 with a Cast before the Conv are not
+    fused by TensorRT: the 'quantized' Conv would run in fp32, flops_share int8 0.0), and the parser's Unsqueeze
+    (1-D Conv as 2-D) is looked through as TensorRT does: the Conv counts as int8. Real TensorRT-RTX."""
     from tasks.build.engines import engine_from_onnx
     from tests.conftest import audio_16bit, make_audio_power_model
 
