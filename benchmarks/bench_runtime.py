@@ -76,7 +76,7 @@ def main() -> int:
     if cc is None:
         print(f"bench_runtime: {no_gpu_reason('/'.join(CCS))}; nothing to time here")
         return 0
-    from tasks.build import engine_from_onnx, onnx_at_precision
+    from tasks.engines import engine_from_onnx, onnx_at_precision
     from tasks.graph import resolve_source
     from tasks.trt import EngineRunner
 

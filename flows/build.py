@@ -199,7 +199,7 @@ def publish(ctx: BuildContext) -> dict:
 
 def publish_engines(ctx: BuildContext, out: Path) -> list[dict]:
     """Copy (hard-link when possible) the deliverable engine(s), one per TensorRT segment, into the output folder."""
-    from tasks.build import engines_of
+    from tasks.engines import engines_of
     from tasks.common import sha256_file
 
     result = []

@@ -19,7 +19,7 @@ def with_replans(ctx: BuildContext, attempt: Callable[[], StageResult],
     """``attempt()`` (engines built from the current plan); when it fails with ``on`` (TensorRT could not build a
     segment), the plan that runs what failed in ONNX Runtime (tasks.partition.partition.build_fallback, at most MAX_REPLANS times)
     and ``attempt()`` again on it; the re-plans said in the partition stage's note."""
-    from tasks.build import build_error
+    from tasks.engines import build_error
     from tasks.data import generated_feeds
     from tasks.partition import build_fallback
 

@@ -6,7 +6,7 @@ import contextlib
 from pathlib import Path
 
 from flows.context import BuildContext
-from tasks.build import engines_of
+from tasks.engines import engines_of
 from tasks.common import StageResult
 
 

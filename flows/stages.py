@@ -19,7 +19,7 @@ from flows.context import BuildContext, Skip, sample_progress
 from flows.replans import with_replans
 from flows.runners import candidate_runner, deliverable
 from tasks.trt import backend as trt_backend
-from tasks.build import engines_of, same_graph
+from tasks.engines import engines_of, same_graph
 from tasks.common import SegmentBuildError, TrtforgeError
 from tasks.common import StageResult, sha256_file
 from tasks.schema import STAGES
@@ -101,7 +101,7 @@ def build(ctx: BuildContext) -> StageResult:
     capability); elsewhere calibrate's engine build is the one that re-plans."""
     p = ctx.cfg.precision
     if p.quantized and not prequantized(ctx) and not baseline_timed(ctx):
-        from tasks.build import baseline_skip_reason
+        from tasks.engines import baseline_skip_reason
         raise Skip(baseline_skip_reason(p.name, p.baseline, ctx.cfg.target.compute_capability,
                                         bool(ctx.cfg.stages.benchmark), bool(ctx.results["partition"].details.get("hybrid"))))
     return with_replans(ctx, lambda: _build_engines(ctx), partition)
@@ -115,7 +115,7 @@ def baseline_timed(ctx: BuildContext) -> bool:
 
 
 def _build_engines(ctx: BuildContext) -> StageResult:
-    from tasks.build import add_metrics, as_baseline, onnx_at_precision
+    from tasks.engines import add_metrics, as_baseline, onnx_at_precision
     from tasks.fp16 import searched_segments
     from tasks.graph import load_onnx
     from tasks.fp16 import fp16_hazards_from_data
@@ -305,7 +305,7 @@ def search_goal(ctx: BuildContext, segs: list[dict], samples: int | None, stage:
 
 def engines_for(ctx: BuildContext, segs: list[dict], graphs: dict[int, Path], label: str, precision: str, d: Path,
                 stage: str) -> StageResult:
-    from tasks.build import engines_for_segments
+    from tasks.engines import engines_for_segments
 
     t = ctx.cfg.target
     return engines_for_segments(segs, graphs, f"{ctx.cfg.model.name}.{t.name}.{label}", t.compute_capability,

@@ -90,7 +90,7 @@ def test_import_linter_contracts_hold():
 
 
 def test_importing_the_stages_loads_neither_tensorrt_nor_prefect():
-    code = ("import sys, tasks.sources.export, tasks.partition.partition, tasks.build.engines, tasks.evaluate.validate, tasks.evaluate.benchmark, tasks.quantization.calibrate; "
+    code = ("import sys, tasks.sources.export, tasks.partition.partition, tasks.engines.build, tasks.evaluate.validate, tasks.evaluate.benchmark, tasks.quantization.calibrate; "
             "print(sorted(m for m in ('prefect','mlflow','tensorrt_rtx_bindings','torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO).stdout.strip()
     assert out == "[]"

@@ -646,7 +646,7 @@ def test_an_initializer_also_listed_as_an_input_feeding_a_blocked_and_a_converte
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from tasks.build.engines import onnx_at_precision
+    from tasks.engines.build import onnx_at_precision
     from tasks.sources.export import onnx_from_model
 
     rng = np.random.default_rng(0)
@@ -718,7 +718,7 @@ def test_every_node_takes_one_float_type_and_tensorrt_builds_it(keep):
 
 def test_the_type_check_names_the_node_and_its_two_types(tmp_path):
     """A graph handing a Conv fp32 data and fp16 weights is refused before TensorRT, naming both (and how to go on)."""
-    from tasks.build.engines import check_types
+    from tasks.engines.build import check_types
     from tasks.common.errors import SegmentBuildError
 
     m = _output_read_inside_model()

@@ -20,7 +20,7 @@ def test_values_beyond_fp16s_range_on_the_data_keep_their_nodes_fp32(tmp_path):
     the power stay fp32 and the fp16 graph matches fp32. On random values in [0, 1) nothing would have overflowed."""
     import onnxruntime as ort
 
-    from tasks.build.engines import onnx_at_precision
+    from tasks.engines.build import onnx_at_precision
     from tasks.onnxrt.emulate import fp16_rounded
     from tasks.fp16.hazards import fp16_hazards_from_data
     from tests.conftest import audio_16bit, make_audio_power_model
@@ -84,7 +84,7 @@ def test_a_variance_taken_as_a_difference_of_moments_is_computed_in_fp32(tmp_pat
     """E[x^2] - E[x]^2 of values far from zero cancels: fp16 operands leave the variance mostly rounding error, which
     1/sqrt(var + eps) blows up (measured on Magika, a jax2tf export: cosine 0.67 naive), and so does x - mean. Judged
     on the data, the moments and the differences are computed in fp32 from the input; the MatMul stays fp16."""
-    from tasks.build.engines import onnx_at_precision
+    from tasks.engines.build import onnx_at_precision
     from tasks.onnxrt.emulate import fp16_rounded
     from tasks.fp16.hazards import fp16_hazards_from_data
 

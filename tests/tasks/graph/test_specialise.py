@@ -31,7 +31,7 @@ def test_bound_input_folds_every_if_and_matches_the_model_fed_that_value(if_onnx
 
 def test_folded_model_builds_a_real_engine(if_onnx, tmp_path):
     from tasks.trt.backend import Backend
-    from tasks.build.engines import engine_from_onnx
+    from tasks.engines.build import engine_from_onnx
 
     r = fold(if_onnx, tmp_path, 16000)
     eng = engine_from_onnx(r.files["onnx"], tmp_path / "if.engine", [IF_PROFILE], "8.6",

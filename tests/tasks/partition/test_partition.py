@@ -236,7 +236,7 @@ def test_a_shape_tensor_is_never_a_segment_input(tmp_path):
     """The Concats that compute the Reshapes' shapes run natively: the Reshapes reading them run natively too (the
     engine would need those values at build time: 'missing values for shape input tensor'), and every TensorRT
     segment builds."""
-    from tasks.build.engines import engine_from_onnx
+    from tasks.engines.build import engine_from_onnx
 
     src = make_nhwc_conv1d(tmp_path / "tf1d.onnx")
     r = plan(src, tmp_path / "p", {**CFG, "exclude_ops": ["Concat"], "min_subgraph_size": 1},

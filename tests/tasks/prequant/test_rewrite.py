@@ -230,7 +230,7 @@ def test_an_asymmetric_pair_is_kept_exactly_by_default(dtype, zp, layer):
                                              ("qoperator", False)])
 def test_converted_graphs_build_tensorrt_engines(converted, quantized_models, name, dequantize, tmp_path):
     from tasks.trt.backend import Backend
-    from tasks.build.engines import engine_from_onnx
+    from tasks.engines.build import engine_from_onnx
 
     m = converted[name][0] if not dequantize else trt_from_prequantized(onnx.load(str(quantized_models[name])), True)[0]
     onnx.save(m, str(tmp_path / "m.onnx"))
@@ -248,7 +248,7 @@ def test_ppocr_det_quantized_by_quantize_static_defaults_keeps_int8_and_its_accu
     from onnxruntime.quantization import QuantFormat, quantize_static
 
     from tasks.trt.backend import Backend
-    from tasks.build.engines import engine_from_onnx
+    from tasks.engines.build import engine_from_onnx
     from tasks.sources.export import sanitize
     from tasks.data.samples import preprocess, render_text_image
 
@@ -300,7 +300,7 @@ def test_qoperator_contrib_ops_become_qdq_and_one_tensorrt_graph(tmp_path):
     from onnxruntime.quantization import QuantFormat, quantize_static
 
     from tasks.trt.backend import Backend
-    from tasks.build.engines import engine_from_onnx
+    from tasks.engines.build import engine_from_onnx
     from tests.conftest import save_image_model
 
     rng = np.random.default_rng(0)

@@ -143,7 +143,7 @@ def test_a_conv_whose_filter_shape_only_the_profile_reveals_is_folded_and_builds
     import numpy as np
 
     from tasks.trt.backend import Backend
-    from tasks.build.engines import engine_from_onnx
+    from tasks.engines.build import engine_from_onnx
     from tasks.common.errors import StageError
     from tasks.graph.fold import unknown_conv_shapes
     from tasks.onnxrt.ort import ort_runner

@@ -83,7 +83,7 @@ def test_det_from_paddle_agrees_with_the_shipped_onnx_on_text_pages(paddle_cache
 ])
 def test_rec_and_cls_paddle_models_build_engines(rel, profile, paddle_cache, tmp_path):
     from tasks.trt.backend import Backend
-    from tasks.build.engines import engine_from_onnx
+    from tasks.engines.build import engine_from_onnx
     from tasks.sources.export import onnx_from_model
 
     r = onnx_from_model({"format": "paddle", "source": PADDLE_MODELS + rel}, [profile], tmp_path / "model.onnx",

@@ -8,7 +8,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tasks.trt.backend import Backend
-from tasks.build.engines import onnx_at_precision
+from tasks.engines.build import onnx_at_precision
 from tasks.quantization.calibrate import qdq_from_onnx
 from tasks.trt.network import describe, precision_profile, precision_profile_from_onnx, summarize
 from tests.conftest import make_conv_model
@@ -133,7 +133,7 @@ def test_a_quantized_1d_conv_kept_fp32_by_range_reads_its_dq_directly_and_counts
     it fp32. Its DQs output fp32 into it (DequantizeLinear nodes converted to fp16 with a Cast before the Conv are not
     fused by TensorRT: the 'quantized' Conv would run in fp32, flops_share int8 0.0), and the parser's Unsqueeze
     (1-D Conv as 2-D) is looked through as TensorRT does: the Conv counts as int8. Real TensorRT-RTX."""
-    from tasks.build.engines import engine_from_onnx
+    from tasks.engines.build import engine_from_onnx
     from tests.conftest import audio_16bit, make_audio_power_model
 
     path = make_audio_power_model(tmp_path / "mel.onnx")

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from tasks.trt.backend import Backend, backend_for_target, gpu_for, host_gpus, no_gpu_reason
-from tasks.build.engines import engine_from_onnx
+from tasks.engines.build import engine_from_onnx
 from tasks.common.errors import StageError, UnavailableError
 from tests.conftest import TINY_PROFILE
 
@@ -129,7 +129,7 @@ def test_a_model_that_works_in_fp16_is_computed_in_fp32_at_fp32(tmp_path):
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from tasks.build.engines import onnx_at_precision
+    from tasks.engines.build import onnx_at_precision
 
     w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((4, 3, 3, 3)).astype(np.float16), "w")
     g = helper.make_graph([helper.make_node("Cast", ["x"], ["xh"], to=TensorProto.FLOAT16),
