@@ -26,9 +26,12 @@ def parse_args(argv: list[str]):
     p = argparse.ArgumentParser(prog="python -m flows.build", usage=USAGE, add_help=False)
     p.add_argument("--config-dir", "-cd")
     p.add_argument("-m", "--multirun", action="store_true")
-    p.add_argument("--cfg", "-c", nargs="?", const="job")
+    # A flag, not an option with an optional value: with nargs="?" the override after it (`--cfg model=x`) became
+    # its value and the default config was printed. Hydra's spelling `--cfg job` is accepted (job is what is printed).
+    p.add_argument("--cfg", "-c", action="store_true")
     p.add_argument("-h", "--help", action="store_true")
     p.add_argument("overrides", nargs="*")
+    argv = [a for i, a in enumerate(argv) if not (a == "job" and i > 0 and argv[i - 1] in ("--cfg", "-c"))]
     args, unknown = p.parse_known_args(argv)
     if args.help:
         try:

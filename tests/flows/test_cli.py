@@ -31,3 +31,32 @@ def test_exit_now_keeps_the_status_the_output_and_the_exit_handlers(tmp_path):
     assert p.returncode == 3
     assert p.stdout == "said" and p.stderr == "warned"
     assert marks.read_text() == "thread;atexit;"  # the thread joined first, then the handlers ran
+
+
+def _cfg(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows.build", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_cfg_prints_the_config_with_the_overrides_after_it(tmp_path):
+    """`--cfg model=ppocr_cls` (the README's spelling): the override after the flag is applied, not taken as its value."""
+    import yaml
+
+    p = _cfg("--cfg", "model=ppocr_cls", "precision=fp32", f"out_dir={tmp_path / 'out'}")
+    assert p.returncode == 0, p.stderr
+    cfg = yaml.safe_load(p.stdout)
+    assert cfg["model"]["name"] == "ppocr_cls"
+    assert cfg["model"]["source"] == "pkg://rapidocr_onnxruntime/models/ch_ppocr_mobile_v2.0_cls_infer.onnx"
+    assert cfg["precision"]["name"] == "fp32"
+    assert not (tmp_path / "out").exists()  # printed, not built
+
+
+def test_cfg_with_a_user_config_dir_and_hydras_job_spelling(tmp_path):
+    (tmp_path / "conf" / "model").mkdir(parents=True)
+    mine = (ROOT / "conf/model/ppocr_cls.yaml").read_text().replace("name: ppocr_cls", "name: mine")
+    (tmp_path / "conf/model/mine.yaml").write_text(mine)
+    for flag in (["--cfg"], ["--cfg", "job"]):
+        p = _cfg(*flag, "--config-dir", str(tmp_path / "conf"), "model=mine", f"out_dir={tmp_path / 'out'}")
+        assert p.returncode == 0, p.stderr
+        assert "\n  name: mine\n" in p.stdout, p.stdout
+    assert not (tmp_path / "out").exists()
