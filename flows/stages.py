@@ -72,15 +72,19 @@ def partition(ctx: BuildContext, partition_cfg: dict | None = None) -> StageResu
     from tasks.partition import plan_from_onnx
 
     onnx_r, i = ctx.results["export"], ctx.inputs
+    # dynamic quantization model.dequantize_dynamic=true left native, and why: its warning says so (keyed only when
+    # there is some, so other builds keep their cache keys)
+    left = (onnx_r.details.get("prequantized") or {}).get("dynamic_left_why")
     parts = key_parts(ctx, "partition", onnx=file_hash(onnx_r, "onnx"), backend=ctx.backend.version, profiles=i.profiles,
-                      **({"partition": partition_cfg} if partition_cfg else {}))
+                      **({"partition": partition_cfg} if partition_cfg else {}),
+                      **({"dynamic_left_why": left} if left is not None else {}))
     partition_cfg = parts["partition"]
 
     def work(d: Path) -> StageResult:
         # min/opt/max inputs per profile: running the native part on them gives the boundary tensors' profiles
         def feeds():
             return [generated_feeds(i.inputs, [p], 0, ctx.cfg.seed, rules=i.rules) for p in i.profiles]
-        return plan_from_onnx(onnx_r.files["onnx"], partition_cfg, ctx.backend, d, feeds)
+        return plan_from_onnx(onnx_r.files["onnx"], partition_cfg, ctx.backend, d, feeds, left)
 
     r = ctx.cached("partition", parts, work)
     warn_all(ctx, "partition", r.details.get("warnings", []))

@@ -8,6 +8,7 @@ fallback (`build_fallback`) re-plans with what failed in ONNX Runtime.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,11 +25,14 @@ FRAGMENTED = 4  # more TensorRT segments than this: boundaries likely cost more 
 
 
 def plan_from_onnx(onnx_path: Path, partition_cfg: Any, backend: Backend, out_dir: Path,
-                   profile_feeds: list[list[dict[str, np.ndarray]]] | Callable[[], list]) -> StageResult:
+                   profile_feeds: list[list[dict[str, np.ndarray]]] | Callable[[], list],
+                   dynamic_left_why: dict[str, str] | None = None) -> StageResult:
     """Write partition.json, graph.png and, for a hybrid model, one fp32 ONNX per segment.
 
     profile_feeds: per model profile, feeds at its [min, opt, max] shapes (to propagate shapes to boundaries),
     or a callable making them (only a model that does not fully parse needs them).
+    dynamic_left_why: with model.dequantize_dynamic=true, the dynamic quantization it left native and why (export's
+    prequantized details), so that a fragmentation warning says that instead of recommending the flag already set.
     """
     import onnx
 
@@ -53,7 +57,7 @@ def plan_from_onnx(onnx_path: Path, partition_cfg: Any, backend: Backend, out_di
         boundaries = sum(len(s.inputs) for s in segments[1:])
         plan["boundary_tensors"] = boundaries
         if len(trt_segments) > FRAGMENTED:
-            plan["warnings"].append(_fragmented(nodes, fallback, len(trt_segments), boundaries))
+            plan["warnings"].append(_fragmented(nodes, fallback, len(trt_segments), boundaries, dynamic_left_why))
     plan["segments"] = [s.as_dict() for s in segments]
     write_json(out_dir / "partition.json", plan)
     files["partition"] = out_dir / "partition.json"
@@ -180,16 +184,28 @@ def _write_segments(model, segments: list[Segment], feeds: list, onnx_path: Path
     return files
 
 
-def _fragmented(nodes, fallback: list[int], trt_subgraphs: int, boundaries: int) -> str:
-    """The warning for a model cut into more than FRAGMENTED TensorRT subgraphs, with the fix."""
+def _fragmented(nodes, fallback: list[int], trt_subgraphs: int, boundaries: int,
+                dynamic_left_why: dict[str, str] | None = None) -> str:
+    """The warning for a model cut into more than FRAGMENTED TensorRT subgraphs, with the fix. Dynamic quantization
+    among the native nodes: the fix is model.dequantize_dynamic=true, or, when it is already set (dynamic_left_why
+    given), what it left native and why."""
     from tasks.prequant.detect import DYNAMIC_OPS
 
     dynamic = sum(1 for i in fallback if nodes[i].op_type in DYNAMIC_OPS)
+    if not dynamic:
+        why = "raise partition.min_subgraph_size or replace the unsupported ops"
+    elif dynamic_left_why is None:
+        why = (f"{dynamic} of the native nodes are dynamic quantization, which TensorRT has no kernels for: "
+               "model.dequantize_dynamic=true builds them as float layers in TensorRT")
+    else:
+        said = "; ".join(f"{n} because {r}" for r, n in Counter(dynamic_left_why.values()).most_common(3))
+        said = f" ({said})" if said else ""
+        why = (f"{dynamic} of the native nodes are dynamic quantization that model.dequantize_dynamic=true left native, "
+               f"not being ONNX Runtime's quantize_dynamic pattern it dequantizes{said}; the export stage's prequant.json lists them under dynamic_left_why. Fix: build it as shipped "
+               "(model.dequantize_dynamic=false, precision=fp16), or give model.source the float model it was "
+               "quantized from")
     return (f"fragmented: {trt_subgraphs} TensorRT subgraphs and {boundaries} boundary tensors; each boundary is a "
-            "copy and a sync, so this can be slower than running natively (" + (
-                f"{dynamic} of the native nodes are dynamic quantization, which TensorRT has no kernels for: "
-                "model.dequantize_dynamic=true builds them as float layers in TensorRT" if dynamic else
-                "raise partition.min_subgraph_size or replace the unsupported ops") + ")")
+            f"copy and a sync, so this can be slower than running natively ({why})")
 
 
 # inputs TensorRT reads as shape tensors (values needed at build time, per profile), by op and input position

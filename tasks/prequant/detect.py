@@ -74,11 +74,21 @@ def precision_for(q: dict, precision: str) -> str:
     if kind is None:  # dynamic quantization only: TensorRT gets a float graph
         if precision in ("fp32", "fp16"):
             return precision
+        left = q.get("dynamic_left_why")  # present when model.dequantize_dynamic=true is set and left some native
+        if left is None:
+            raise ConfigError(
+                f"precision={precision}: the model's quantization is dynamic ({dynamic} ops, run natively in ONNX "
+                f"Runtime), so its TensorRT engines compute float, not {precision}",
+                fix="build it at precision=fp16 or precision=fp32, or set model.dequantize_dynamic=true to dequantize "
+                    f"it and calibrate it to {precision} for TensorRT")
+        said = "; ".join(f"{n} because {r}" for r, n in Counter(left.values()).most_common(3))
+        said = f" ({said})" if said else ""
         raise ConfigError(
-            f"precision={precision}: the model's quantization is dynamic ({dynamic} ops, run natively in ONNX Runtime), "
-            f"so its TensorRT engines compute float, not {precision}",
-            fix="build it at precision=fp16 or precision=fp32, or set model.dequantize_dynamic=true to dequantize it "
-                f"and calibrate it to {precision} for TensorRT")
+            f"precision={precision}: model.dequantize_dynamic=true left {dynamic} dynamic quantization ops native in "
+            f"ONNX Runtime, not being ONNX Runtime's quantize_dynamic pattern it dequantizes{said}, so its TensorRT "
+            f"engines compute float, not {precision}",
+            fix="build it at precision=fp16 or precision=fp32 (the export stage's prequant.json lists the ops under "
+                "dynamic_left_why), or give model.source the float model it was quantized from")
     if precision == "fp16":
         return "fp16"
     if precision == kind:

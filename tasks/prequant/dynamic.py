@@ -9,43 +9,82 @@ from onnx import numpy_helper
 from tasks.graph.edit import links, replace_node, unique_name
 
 
-def float_from_dynamic(g, inits) -> int:
+def float_from_dynamic(g, inits, left: dict | None = None) -> int:
     """MatMulInteger/ConvInteger(DynamicQuantizeLinear(x), W_q) -> Cast -> Mul(scale_x * scale_w) becomes a float
-    MatMul/Conv of x with W = (W_q - zp) * scale_w (ONNX Runtime's quantize_dynamic pattern). Returns the count."""
+    MatMul/Conv of x with W = (W_q - zp) * scale_w (ONNX Runtime's quantize_dynamic pattern), a ConvInteger of any rank
+    (1-D Conv: [N, C, T] activations, [C_out, C_in/group, k] weights). A weight that is not a constant (a weight-normed
+    Conv1d computes its weight in the graph) is quantized at run time by a DynamicQuantizeLinear of its own: the float
+    layer reads that float weight. Returns the count; ``left`` gets {node name: why it stays native} for the rest."""
     producers, consumers = links(g)
     count = 0
+    names = {n.name for n in g.node}
     for node in [n for n in g.node if n.op_type in ("MatMulInteger", "ConvInteger")]:
-        dql = producers.get(node.input[0])
-        w = inits.get(node.input[1])
-        cast = (consumers.get(node.output[0]) or [None])[0]
-        if dql is None or dql.op_type != "DynamicQuantizeLinear" or w is None or cast is None or cast.op_type != "Cast":
+        found = _dynamic_pattern(g, node, producers, consumers, inits)
+        if isinstance(found, str):
+            if left is not None:
+                left[node.name or node.output[0]] = found
             continue
-        mul = (consumers.get(cast.output[0]) or [None])[0]
-        if mul is None or mul.op_type != "Mul":
-            continue
-        scales = mul.input[1] if mul.input[0] == cast.output[0] else mul.input[0]
-        smul = producers.get(scales)
-        if smul is None or smul.op_type != "Mul" or dql.output[1] not in smul.input:
-            continue
-        w_scale = next((i for i in smul.input if i != dql.output[1]), None)
-        if w_scale not in inits:
-            continue
-        wq = numpy_helper.to_array(w).astype(np.float64)
-        wzp = numpy_helper.to_array(inits[node.input[3]]).astype(np.float64) if len(node.input) > 3 and node.input[3] in inits else 0.0
-        ws = numpy_helper.to_array(inits[w_scale]).astype(np.float64)
-        if node.op_type == "ConvInteger" and np.ndim(ws) == 1:
-            ws = ws.reshape(-1, *([1] * (wq.ndim - 1)))
-            wzp = np.reshape(wzp, (-1, *([1] * (wq.ndim - 1)))) if np.ndim(wzp) == 1 else wzp
-        name = unique_name(node.input[1] + "_float", inits)
-        inits[name] = numpy_helper.from_array(((wq - wzp) * ws).astype(np.float32), name)
-        g.initializer.append(inits[name])
+        x, w_name, mul = found
         op = "MatMul" if node.op_type == "MatMulInteger" else "Conv"
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        new = onnx.helper.make_node(op, [dql.input[0], name], [mul.output[0]], name=(node.name or op) + "_float", **attrs)
+        name = (node.name or op) + "_float"
+        if name in names:  # unnamed nodes: ONNX Runtime refuses a graph with two nodes of one name
+            name = f"{name}_{mul.output[0]}"
+        names.add(name)
+        new = onnx.helper.make_node(op, [x, w_name], [mul.output[0]], name=name, **attrs)
         g.node.insert(list(g.node).index(mul), new)
         g.node.remove(mul)
         count += 1
-    return count + sum(_float_lstm(g, n, inits) for n in [n for n in g.node if n.op_type == "DynamicQuantizeLSTM"])
+    for node in [n for n in g.node if n.op_type == "DynamicQuantizeLSTM"]:
+        done = _float_lstm(g, node, inits)
+        count += done
+        if not done and left is not None:
+            left[node.name or node.output[0]] = "its weights, scales or zero points are not constants"
+    return count
+
+
+def _dynamic_pattern(g, node, producers, consumers, inits):
+    """(float input, float weight, the output Mul it replaces) for one MatMulInteger/ConvInteger of the
+    quantize_dynamic pattern, the dequantized weight added to the initializers; else why it is not that pattern."""
+    dql = producers.get(node.input[0])
+    if dql is None or dql.op_type != "DynamicQuantizeLinear":
+        return "its input is not quantized by a DynamicQuantizeLinear"
+    if len(node.input) > 2 and node.input[2] and node.input[2] != dql.output[2]:
+        return "its input zero point is not its DynamicQuantizeLinear's"
+    cast = (consumers.get(node.output[0]) or [None])[0]
+    mul = (consumers.get(cast.output[0]) or [None])[0] if cast is not None and cast.op_type == "Cast" else None
+    if mul is None or mul.op_type != "Mul":
+        return "its output is not Cast then scaled by a Mul"
+    scales = mul.input[1] if mul.input[0] == cast.output[0] else mul.input[0]
+    smul = producers.get(scales)
+    if smul is None or smul.op_type != "Mul" or dql.output[1] not in smul.input:
+        return "its output scale is not its input's scale times its weight's"
+    w_scale = next((i for i in smul.input if i != dql.output[1]), None)
+    wdql = producers.get(node.input[1])
+    if node.input[1] not in inits and wdql is not None and wdql.op_type == "DynamicQuantizeLinear":
+        # the weight quantized at run time: its scale and zero point are that DynamicQuantizeLinear's own
+        if w_scale != wdql.output[1] or (len(node.input) > 3 and node.input[3] and node.input[3] != wdql.output[2]):
+            return "its weight's scale or zero point is not its weight's DynamicQuantizeLinear's"
+        return dql.input[0], wdql.input[0], mul
+    w = inits.get(node.input[1])
+    if w is None:
+        return "its weight is neither a constant nor quantized by a DynamicQuantizeLinear"
+    if w_scale not in inits:
+        return "its weight scale is not a constant"
+    if len(node.input) > 3 and node.input[3] and node.input[3] not in inits:
+        return "its weight zero point is not a constant"
+    wq = numpy_helper.to_array(w).astype(np.float64)
+    wzp = numpy_helper.to_array(inits[node.input[3]]).astype(np.float64) if len(node.input) > 3 and node.input[3] in inits else 0.0
+    ws = numpy_helper.to_array(inits[w_scale]).astype(np.float64)
+    if node.op_type == "ConvInteger" and np.ndim(ws) == 1:  # per output channel: [C_out] over [C_out, C_in/g, ...]
+        ws = ws.reshape(-1, *([1] * (wq.ndim - 1)))
+        wzp = np.reshape(wzp, (-1, *([1] * (wq.ndim - 1)))) if np.ndim(wzp) == 1 else wzp
+    elif node.op_type == "ConvInteger" and np.ndim(wzp) == 1:  # per-channel zero point, per-tensor scale
+        wzp = np.reshape(wzp, (-1, *([1] * (wq.ndim - 1))))
+    name = unique_name(node.input[1] + "_float", inits)
+    inits[name] = numpy_helper.from_array(((wq - wzp) * ws).astype(np.float32), name)
+    g.initializer.append(inits[name])
+    return dql.input[0], name, mul
 
 
 def _float_lstm(g, node, inits) -> int:

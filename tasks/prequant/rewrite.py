@@ -31,8 +31,9 @@ They are built as they are, with their own scales, never recalibrated. What Tens
   DQ -> float op -> Q; value-selecting ops the format leaves on 8-bit data (MOVEMENT: Resize in nearest mode, MaxPool,
   Reshape, ...) run in float between a DQ and a Q of the same scale; then treated as above;
 - dynamic quantization (DynamicQuantizeLinear, ConvInteger, MatMulInteger) runs natively in ONNX Runtime (the
-  partition stage places it), or with model.dequantize_dynamic=true is dequantized: MatMulInteger/ConvInteger
-  become float MatMul/Conv on the dequantized weights.
+  partition stage places it), or with model.dequantize_dynamic=true is dequantized: MatMulInteger/ConvInteger (any
+  rank) become float MatMul/Conv on the dequantized weights, or on the float weight a DynamicQuantizeLinear quantized
+  at run time; stats["dynamic_left_why"] says why the rest stays native.
 """
 from __future__ import annotations
 
@@ -84,10 +85,15 @@ def trt_from_prequantized(model: onnx.ModelProto, dequantize_dynamic: bool = Fal
     stats["quantized_layers"] = len(int8_layers - float_fed)
     stats["fallback_layers"] = layers - stats["quantized_layers"]
 
+    left: dict[str, str] = {}
     if dequantize_dynamic:
-        stats["dequantized_dynamic"] = float_from_dynamic(g, inits)
+        stats["dequantized_dynamic"] = float_from_dynamic(g, inits, left)
     model = _shapes_inferred(model)
     _record_computes(model, activations, stats)
+    if dequantize_dynamic and stats["dynamic_left"]:
+        # dynamic quantization that model.dequantize_dynamic=true left native in ONNX Runtime, per node why: what the
+        # refusal of an int8 build and the partition's warning say instead of recommending the flag already set
+        stats["dynamic_left_why"] = left
     return model, stats
 
 

@@ -50,3 +50,25 @@ def test_the_dequantized_reference_needs_the_dequantized_build(dyn_dir, tmp_path
     cfg = compose_config(["model=dyn", "model.reference=dequantized", f"out_dir={tmp_path}"], str(dyn_dir))
     with pytest.raises(ConfigError, match="model.dequantize_dynamic=true"):
         preflight(cfg, str(dyn_dir))
+
+
+@pytest.mark.slow
+def test_a_dynamically_quantized_conv1d_with_weights_in_the_graph_builds_as_one_engine(prefect_harness, tmp_path):
+    """ONNX Runtime's quantize_dynamic of weight-normed Conv1d layers (uint8 activations and uint8 weights, both
+    quantized at run time) through the whole flow with model.dequantize_dynamic=true: one TensorRT graph, nothing native,
+    its float form within dynamic quantization's error of the model as shipped."""
+    from onnxruntime.quantization import quantize_dynamic
+
+    from tests.tasks.prequant.test_dynamic import conv1d_model
+
+    f32 = conv1d_model(tmp_path / "float.onnx", weight_norm=True)
+    quantize_dynamic(str(f32), str(tmp_path / "conv1d_dyn.onnx"), op_types_to_quantize=["Conv"])
+    (tmp_path / "conf" / "model").mkdir(parents=True)
+    (tmp_path / "conf" / "model" / "c1d.yaml").write_text(
+        f"name: c1d\nformat: onnx\nsource: {tmp_path / 'conv1d_dyn.onnx'}\n"
+        "profiles:\n  - x: {min: [1, 4, 16], opt: [2, 4, 64], max: [4, 4, 128]}\n")
+    s = build(["model=c1d", "precision=fp32", "model.dequantize_dynamic=true", "stages.benchmark=false"],
+              tmp_path / "conf", tmp_path / "b")
+    assert s["status"] == "ok", s.get("error")
+    assert s["metrics"]["trt_subgraphs"] == 1 and s["metrics"]["fallback_nodes"] == 0, s["metrics"]
+    assert s["metrics"]["dequantized_vs_shipped_cosine_min"] >= 0.999, s["metrics"]
