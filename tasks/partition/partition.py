@@ -201,7 +201,8 @@ def _fragmented(nodes, fallback: list[int], trt_subgraphs: int, boundaries: int,
         said = "; ".join(f"{n} because {r}" for r, n in Counter(dynamic_left_why.values()).most_common(3))
         said = f" ({said})" if said else ""
         why = (f"{dynamic} of the native nodes are dynamic quantization that model.dequantize_dynamic=true left native, "
-               f"not being ONNX Runtime's quantize_dynamic pattern it dequantizes{said}; the export stage's prequant.json lists them under dynamic_left_why. Fix: build it as shipped "
+               f"not being ONNX Runtime's quantize_dynamic pattern it dequantizes{said}; the export stage's "
+               "prequant.json lists them under dynamic_left_why. Fix: build it as shipped "
                "(model.dequantize_dynamic=false, precision=fp16), or give model.source the float model it was "
                "quantized from")
     return (f"fragmented: {trt_subgraphs} TensorRT subgraphs and {boundaries} boundary tensors; each boundary is a "
