@@ -367,7 +367,8 @@ def validate(ctx: BuildContext) -> StageResult:
                                   emulation=emulation_label(ctx.cfg.precision.name),
                                   engine_device=gpu and f"engine on {gpu.name} (sm {gpu.compute_capability})",
                                   evidence=evidence, fix=fix, metric=metric,
-                                  logits=logit_runners(reference, candidates, identical, hybrid), labels=labels)
+                                  logits=logit_runners(reference, candidates, identical, hybrid), labels=labels,
+                                  random_inputs=val.kind == "random")
             except TrtforgeError as e:  # the failed verdict is a result too: cached, gated below
                 if getattr(e, "result", None) is None:
                     raise
@@ -383,6 +384,9 @@ def validate(ctx: BuildContext) -> StageResult:
         ctx.warn("validate", r.details["warnings"][0])
     for w in r.details.get("evidence", []):
         ctx.warn("validate", w)
+    nonfinite = r.details.get("nonfinite") or {}
+    for w in nonfinite.get("warnings", []) + nonfinite.get("notes", []):
+        ctx.warn("validate", w)  # a reference that is not finite, and outputs compared on their finite part
     apart = r.metrics.get("dequantized_vs_shipped_cosine_min")
     if apart is not None:
         from tasks.prequant import dequantized_fix

@@ -239,13 +239,18 @@ class SearchJudge:
 
 
 def within_tolerance(c: np.ndarray, r: np.ndarray, atol: float, rtol: float) -> np.ndarray:
-    """Elementwise |c - r| <= atol + rtol * |r| (a non-finite candidate is never within; shapes must agree)."""
+    """Elementwise |c - r| <= atol + rtol * |r| (shapes must agree). A non-finite candidate is never within, except
+    where the reference holds the same non-finite value (NaN, +inf, -inf): those agree, as with numpy's
+    ``equal_nan`` (tasks/accuracy/metrics.py ``finite_part`` leaves them out of the cosine)."""
     c = np.asarray(c, dtype=np.float64)
     r = np.asarray(r, dtype=np.float64)
     if c.shape != r.shape:
         return np.zeros(max(r.size, 1), dtype=bool)
     with np.errstate(invalid="ignore"):
-        return (np.abs(c - r) <= atol + rtol * np.abs(r)) & np.isfinite(c)
+        within = (np.abs(c - r) <= atol + rtol * np.abs(r)) & np.isfinite(c)
+        if not within.all():
+            within |= ~np.isfinite(r) & ((np.isnan(c) & np.isnan(r)) | (c == r))
+        return within
 
 
 def top1_agreement(c: np.ndarray, r: np.ndarray) -> np.ndarray | None:

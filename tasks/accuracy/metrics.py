@@ -8,6 +8,10 @@ Names say what they measure:
 * pooled over a set of feeds (``summarize``): per output, the cosine of all its values on every feed together
   (``cosine``: what ``cosine_min`` gates on), the worst single feed's cosine (``cosine_worst_feed``), the largest
   absolute error (``max_abs``) and the mean absolute error over every value of every feed (``mean_abs``).
+* non-finite values (NaN, +inf, -inf) at the same place with the same class in both reference and candidate are left
+  out and the finite rest compared (``finite_part``; a GNN writes NaN where its mask is false, by design); how many
+  were left out is recorded (``nonfinite_both``, with ``elements``). A non-finite value in only one of them is a
+  mismatch (``nonfinite_mismatch``): cosine 0 for that output. Finite outputs take the same path as ever.
 * a set's headline numbers (``headline``): ``cosine_min`` = the lowest pooled cosine of any output,
   ``cosine_worst_feed`` = the lowest single-feed cosine of any output, ``max_abs_err``, ``mean_abs_err`` (the largest
   per-output pooled mean).
@@ -19,11 +23,29 @@ from typing import Iterable
 import numpy as np
 
 
+def finite_part(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """(a, b, left out, mismatched) of two flattened float64 arrays of one shape: the positions where both are NaN, both
+    +inf or both -inf are left out (equal non-finite values: nothing to compare there); ``mismatched`` counts the
+    positions non-finite in only one of them, or of another class (these stay in: the comparison fails). All finite:
+    a and b as given, 0, 0 (the figures of finite outputs do not move)."""
+    fa, fb = np.isfinite(a), np.isfinite(b)
+    if fa.all() and fb.all():
+        return a, b, 0, 0
+    same = (~fa & ~fb) & ((np.isnan(a) & np.isnan(b)) | (a == b))  # NaN vs NaN, +inf vs +inf, -inf vs -inf
+    keep = ~same
+    mismatched = int(((~fa | ~fb) & keep).sum())
+    return a[keep], b[keep], int(same.sum()), mismatched
+
+
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
-    """Flattened float64 cosine similarity; both all-zero: 1.0; one all-zero or non-finite: 0.0."""
+    """Flattened float64 cosine similarity of the finite part (``finite_part``); both all-zero: 1.0; one all-zero or
+    non-finite where the other is not: 0.0."""
     a = np.asarray(a, dtype=np.float64).ravel()
     b = np.asarray(b, dtype=np.float64).ravel()
     if a.shape != b.shape:
+        return 0.0
+    a, b, _, mismatched = finite_part(a, b)
+    if mismatched:
         return 0.0
     na, nb = np.linalg.norm(a), np.linalg.norm(b)
     if na == 0 and nb == 0:
@@ -34,25 +56,34 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def compare(reference: dict[str, np.ndarray], candidate: dict[str, np.ndarray]) -> dict[str, dict]:
-    """Per output of one feed: cosine, max/mean absolute error, the reference's max |x|, and the sums that ``summarize``
-    pools over a set (``_dot``, ``_na2``, ``_nb2``, ``_abs_sum``, ``_n``)."""
+    """Per output of one feed: cosine, max/mean absolute error, the reference's max |x| (of its finite values), and the
+    sums that ``summarize`` pools over a set (``_dot``, ``_na2``, ``_nb2``, ``_abs_sum``, ``_n``). Non-finite values
+    (``finite_part``): ``nonfinite_both`` (left out, with ``elements``) and ``nonfinite_mismatch``, when any."""
     out = {}
     for name, ref in reference.items():
         got = candidate[name]
         a = np.asarray(ref, dtype=np.float64).ravel()
         b = np.asarray(got, dtype=np.float64).ravel()
-        ref_max = float(np.abs(a).max(initial=0))
         if a.shape != b.shape:
-            out[name] = {"cosine": 0.0, "max_abs": float("inf"), "mean_abs": float("inf"), "ref_max_abs": ref_max,
+            out[name] = {"cosine": 0.0, "max_abs": float("inf"), "mean_abs": float("inf"),
+                         "ref_max_abs": float(np.abs(a).max(initial=0)),
                          "error": f"shape {list(np.shape(got))} != reference {list(np.shape(ref))}"}
             continue
-        finite = bool(np.isfinite(b).all())
+        elements = int(a.size)
+        a, b, both, mismatched = finite_part(a, b)
+        if mismatched:  # as a non-finite candidate always was: cosine 0, errors inf, pooled as all-zero
+            a = np.where(np.isfinite(a), a, 0.0)
+        ref_max = float(np.abs(a).max(initial=0))
+        finite = not mismatched and bool(np.isfinite(b).all())
         diff = np.abs(a - b)
-        out[name] = {"cosine": cosine(a, b), "max_abs": float(diff.max(initial=0)) if finite else float("inf"),
+        out[name] = {"cosine": cosine(a, b) if finite else 0.0,
+                     "max_abs": float(diff.max(initial=0)) if finite else float("inf"),
                      "mean_abs": float(diff.mean()) if finite and diff.size else (0.0 if finite else float("inf")),
                      "ref_max_abs": ref_max,
                      "_dot": float(a @ b) if finite else 0.0, "_na2": float(a @ a), "_nb2": float(b @ b) if finite else 0.0,
                      "_abs_sum": float(diff.sum()) if finite else float("inf"), "_n": int(diff.size)}
+        if both or mismatched:
+            out[name].update(nonfinite_both=both, nonfinite_mismatch=mismatched, elements=elements)
     return out
 
 
@@ -69,13 +100,20 @@ def summarize(per_feed: Iterable[dict[str, dict]]) -> dict[str, dict]:
             w["cosine_worst_feed"] = min(w["cosine_worst_feed"], m["cosine"])
             w["max_abs"] = max(w["max_abs"], m["max_abs"])
             w["ref_max_abs"] = max(w["ref_max_abs"], m["ref_max_abs"])
+            w["_elements"] = w.get("_elements", 0) + m.get("elements", m.get("_n", 0))
             acc = sums.setdefault(name, [0.0, 0.0, 0.0, 0.0, 0.0])
             for i, k in enumerate(("_dot", "_na2", "_nb2", "_abs_sum", "_n")):
                 acc[i] += m.pop(k, 0.0)
             if "error" in m:
                 w["error"] = m["error"]
+            if "elements" in m or "nonfinite_both" in w:  # non-finite values seen: counted over the set
+                for k in ("nonfinite_both", "nonfinite_mismatch"):
+                    w[k] = w.get(k, 0) + m.get(k, 0)
     for name, (dot, na2, nb2, abs_sum, n) in sums.items():
         w = stats[name]
+        elements = w.pop("_elements", 0)
+        if "nonfinite_both" in w:
+            w["elements"] = elements
         if "error" in w:
             w["cosine"], w["mean_abs"] = 0.0, float("inf")
             continue
@@ -105,13 +143,19 @@ def pooled_cosine(outputs: list[dict[str, np.ndarray]], references: list[dict[st
 
 
 def pooled_sums(reference: dict[str, np.ndarray], candidate: dict[str, np.ndarray]) -> dict[str, tuple[float, float, float]]:
-    """Per output of one feed: (a.b, a.a, b.b) in float64, a the reference: what a pooled cosine adds up (a non-finite
-    or misshapen candidate counts as all-zero: cosine 0)."""
+    """Per output of one feed: (a.b, a.a, b.b) in float64, a the reference, on the finite part (``finite_part``): what a
+    pooled cosine adds up (a misshapen candidate, or one non-finite where the reference is not, counts as all-zero:
+    cosine 0)."""
     out = {}
     for name, ref in reference.items():
         a = np.asarray(ref, dtype=np.float64).ravel()
         b = np.asarray(candidate[name], dtype=np.float64).ravel()
-        if a.shape != b.shape or not np.isfinite(b).all():
+        mismatched = 0
+        if a.shape == b.shape:
+            a, b, _, mismatched = finite_part(a, b)
+            if mismatched:
+                a = np.where(np.isfinite(a), a, 0.0)
+        if a.shape != b.shape or mismatched or not np.isfinite(b).all():
             out[name] = (0.0, float(a @ a), 0.0)
         else:
             out[name] = (float(a @ b), float(a @ a), float(b @ b))

@@ -10,6 +10,7 @@ import numpy as np
 from tasks.common.errors import AccuracyError, StageError
 from tasks.data.inputs import batch_size
 from tasks.accuracy.metrics import compare, headline, summarize
+from tasks.accuracy.nonfinite import DATA_HOW, finite_part_notes, nonfinite_reference, reference_warnings
 from tasks.onnxrt.ort import ort_run, ort_session
 from tasks.common.util import StageResult, write_json
 
@@ -51,7 +52,7 @@ def validate_onnx(reference: Path, candidate: Path | Callable, feeds: list[dict[
                   emulation: str = "onnxruntime emulation", engine_device: str | None = None,
                   reference_label: str = "fp32", identical: bool = False,
                   evidence: list[str] | None = None, fix: str | None = None, metric=None,
-                  logits: dict | None = None, labels: list | None = None) -> StageResult:
+                  logits: dict | None = None, labels: list | None = None, random_inputs: bool = False) -> StageResult:
     """Compare candidate (an ONNX file, or a callable such as a composed hybrid model) to the fp32 reference in
     ONNX Runtime on every feed; gate on min_cosine (``gate``); write a JSON report.
 
@@ -73,6 +74,11 @@ def validate_onnx(reference: Path, candidate: Path | Callable, feeds: list[dict[
     read): cosine and allclose on the logits of outputs from a final Softmax/Sigmoid/LogSoftmax, reported, and gating
     too with ``accuracy.gate_logits``.
 
+    ``random_inputs``: the feeds were generated at random (no validation.data): a non-finite reference is blamed on
+    them and the message asks for data. Non-finite values in the reference are reported before any judgement
+    (``nonfinite``: per output, the count and the feeds; tasks/accuracy/nonfinite.py); outputs non-finite at the same
+    places in both are compared on their finite part, and the verdict says so.
+
     Every session is exact (tasks/onnxrt/ort.py): Q/DQ and integer ops computed as written, the same on any x86-64 CPU."""
     from tasks.accuracy.metric import Metric
 
@@ -82,6 +88,9 @@ def validate_onnx(reference: Path, candidate: Path | Callable, feeds: list[dict[
     refs, kept, warnings = reference_outputs(ref_sess, feeds)
     left_out = [{n: list(a.shape) for n, a in f.items()} for i, f in enumerate(feeds) if i not in set(kept)]
     feeds = [feeds[i] for i in kept]
+    found = nonfinite_reference(refs)  # before any judgement: a reference that is not finite is no target
+    found_text = reference_warnings(found, feeds, inputs_source, random_inputs)
+    warnings += found_text
     labels = [labels[i] for i in kept] if labels is not None else None  # validation.labels, per feed
     samples = sum(batch_size(f) for f in feeds)
     evidence = list(evidence or [])
@@ -102,6 +111,8 @@ def validate_onnx(reference: Path, candidate: Path | Callable, feeds: list[dict[
     else:
         engine = {"status": "skipped", "reason": engine_skip_reason or "engine execution not requested"}
     _note_measurement(measured, source, metrics, warnings, evidence)
+    finite_notes = finite_part_notes(measured or {})
+    warnings += finite_notes
     accuracy = None
     if measured is not None:  # the user's metric on what the gate judges
         accuracy = _accuracy_of(metric, measured_outs, refs, feeds, labels, source, emulation, logits)
@@ -114,8 +125,10 @@ def validate_onnx(reference: Path, candidate: Path | Callable, feeds: list[dict[
         "cosine_min": metrics.get("cosine_min"), "cosine_source": metrics.get("cosine_source"),
         "outputs": measured or {}, "emulation": emulation_report, "engine": engine,
         "evidence": evidence, "warnings": warnings, "passed": passed, "accuracy": accuracy,
-        "verdict": verdict_text(metrics, passed, min_cosine, reference_label, samples, inputs_source, evidence,
-                                accuracy),
+        "nonfinite": {"reference": found, "warnings": found_text, "notes": finite_notes,
+                      "random_inputs": random_inputs},
+        "verdict": verdict_text(metrics, passed, min_cosine, reference_label, samples, inputs_source,
+                                evidence + finite_notes, accuracy),
     }
     write_json(out_path, report)
     metrics["validate_seconds"] = time.perf_counter() - t0
@@ -235,6 +248,16 @@ def gate(result: StageResult, label: str | None = None, fix: str | None = None) 
         msg = (f"output {worst!r} has cosine {r['cosine_min']:.6f} to {r['reference']} ({r['cosine_source']}), below "
                f"accuracy.min_cosine={r['min_cosine']}")
         default_fix = "use a higher precision, or lower accuracy.min_cosine if that loss is acceptable"
+        ref_bad = ((r.get("nonfinite") or {}).get("reference") or {}).get(worst)
+        if ref_bad and r["outputs"][worst].get("nonfinite_mismatch"):  # no precision makes the NaN/inf line up
+            random_inputs = r["nonfinite"].get("random_inputs")
+            msg += (f": its fp32 reference holds {ref_bad['count']} non-finite values and the build is non-finite at "
+                    f"other places ({r['outputs'][worst]['nonfinite_mismatch']} elements differ), so the cosine "
+                    f"compares NaN/inf, not precision"
+                    + (" (the generated random inputs caused it)" if random_inputs else ""))
+            fix = None  # a higher precision cannot help: the inputs can
+            default_fix = (DATA_HOW if random_inputs else
+                           "check the inputs: the fp32 model itself gives NaN/inf on them (validation.data)")
     else:
         if acc.get("gated_by", "outputs") != "outputs":
             what = f"the {acc['gated_by']} fail(s) it: " + ", ".join(

@@ -118,6 +118,8 @@ class Judge:
         self.runs = 0  # whole-model runs (one sample each)
         self._miss: dict[int, float] = {}  # per sample: how far it fell short before (hardest first)
         self._norms = output_norms(refs)
+        from tasks.accuracy.nonfinite import nonfinite_reference
+        self.nonfinite = nonfinite_reference(refs)  # outputs whose fp32 reference is not finite: no precision helps
         self.per_feed: list[float] = []  # the last ``estimate``'s value per sample (cosine, or the metric's)
 
     @property
@@ -201,7 +203,7 @@ def fp16_within_budget(fp32_path: Path, out_path: Path, feeds: list[Feed], targe
             f" (accuracy.min_cosine={budget:g} plus calibration.budget_margin of the allowed error)"
             if budget is not None and pooled else f" ({what})" if not pooled else ""))
         _refuse_short_of_target(first, final, candidates, chosen_kept, target, judge.z, where, aim, samples_text,
-                                fp32_path)
+                                fp32_path, judge.nonfinite)
     save_onnx(model16, out_path)
     if pooled:
         metrics.update(search_cosine_fp16=first.cosine, search_cosine=final.cosine, search_cosine_se=final.se,
@@ -260,9 +262,22 @@ def _figure(j, z: float) -> str:
 
 
 def _refuse_short_of_target(first, final, candidates: list[str], chosen_kept: dict[str, float], target: float,
-                            z: float, where: str, aim: str, samples_text: str, fp32_path: Path) -> None:
+                            z: float, where: str, aim: str, samples_text: str, fp32_path: Path,
+                            nonfinite: dict | None = None) -> None:
     """Raise the AccuracyError of a search that kept every candidate fp32 (an fp32 engine) or whose ``final`` graph
-    still misses ``target``."""
+    still misses ``target``. ``nonfinite`` (tasks.accuracy.nonfinite.nonfinite_reference of the search's references):
+    the fp32 model itself gives NaN/inf on these samples, so the error says that, not "build at fp32"."""
+    if nonfinite:
+        from tasks.accuracy.nonfinite import DATA_HOW
+
+        outs = ", ".join(f"{n!r} ({w['count']} of {w['elements']} elements, samples {w['feeds'][:4]})"
+                         for n, w in nonfinite.items())
+        raise AccuracyError(
+            f"fp16 misses the accuracy budget: the fp16 graph gives {_figure(first, z)} ({where}) against {aim}, but "
+            f"the fp32 reference itself is not finite on {samples_text}: {outs}; where the fp16 graph is non-finite at "
+            f"other places, no precision makes NaN/inf line up", stage=STAGE, file=str(fp32_path),
+            fix=f"give calibration.data with real inputs (the search judged {samples_text}); for validation, "
+                + DATA_HOW)
     if not set(candidates) - set(chosen_kept):  # every node fp32: an fp32 engine, not an fp16 one
         raise AccuracyError(
             f"fp16 misses the accuracy budget: the fp16 graph gives {_figure(first, z)} ({where}) against {aim}, and "

@@ -78,8 +78,12 @@ def _meets(outs, feeds, refs, target, miss, norms, z, judge, sums_of, known, ord
 
 
 def output_norms(refs: list[dict]) -> dict[str, float]:
-    """Each output's squared norm over a set of references (what ``meets_target`` measures errors against)."""
-    return {k: sum(float(np.vdot(r[k], r[k])) for r in refs) for k in (refs[0] if refs else {})}
+    """Each output's squared norm over a set of references (what ``meets_target`` measures errors against), of their
+    finite values (NaN/inf in the reference are left out of the comparison: tasks/accuracy/metrics.py ``finite_part``)."""
+    def finite(a):
+        a = np.asarray(a)
+        return a if a.dtype.kind not in "fc" or np.isfinite(a).all() else a[np.isfinite(a)]
+    return {k: sum(float(np.vdot(finite(r[k]), finite(r[k]))) for r in refs) for k in (refs[0] if refs else {})}
 
 
 JUDGE_Z = 1.0  # standard errors of the pooled cosine a candidate's figure is lowered by before it meets the target
