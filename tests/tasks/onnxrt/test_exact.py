@@ -96,7 +96,7 @@ def test_the_same_figures_on_an_avx2_only_and_an_sse4_only_cpu(quantized_models)
     folder = quantized_models["static_u8"].parent
     here = scores(folder)
     there = {}
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     for cpu in CPUS:
         p = subprocess.run([qemu, "-cpu", cpu, sys.executable, "-m", "tests.tasks.onnxrt.test_exact", str(folder)],
                            cwd=root, capture_output=True, text=True, timeout=600,
