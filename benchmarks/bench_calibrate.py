@@ -34,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tasks.quantization import calibrate as calibrate_mod  # noqa: E402
+from tasks.quantization import ranges as ranges_mod  # noqa: E402
 from tasks.quantization import qdq_from_onnx  # noqa: E402
 from tasks.sources import onnx_from_model  # noqa: E402
 from tasks.data import preprocess, render_text_image  # noqa: E402
@@ -140,7 +140,7 @@ def modelopt_table(fp32: Path, feeds, held, tmp: Path, quick: bool, budget: Path
     shape = "x:" + "x".join(str(d) for d in feeds[0]["x"].shape)
     ours, theirs = {}, {}
     for method in dict.fromkeys(m for m, _ in MODELOPT_PAIRS):
-        calibrate_mod._RANGES_MEMO.clear()  # time a fresh calibration, not the ranges memo of the first table
+        ranges_mod._RANGES_MEMO.clear()  # time a fresh calibration, not the ranges memo of the first table
         r = qdq_from_onnx(fp32, feeds, tmp / f"ours_fp32_{method}.onnx", method=method, eval_feeds=held,
                           workdir=tmp / f"mo_work_{method}", high_precision="fp32")
         ours[method] = {"path": r.files["onnx"], "seconds": r.metrics["calibrate_seconds"],
