@@ -2,7 +2,8 @@
 calibrated on it.
 
 Preparing: opset >= 19 for fp16 Q/DQ scales and float8, Constant nodes folded into initializers so ORT's quantizer
-sees weights as weights, every node named; the prepared graph is checked against the input's outputs. Layers the
+sees weights as weights, every node named, every layer's bias its own initializer; the prepared graph is checked against
+the input's outputs. Layers the
 calibration data never reaches (computed from constants alone) have no activation range to learn.
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Callable
 import numpy as np
 
 from tasks.common.errors import ConfigError, StageError
-from tasks.graph.edit import fp32_from_fp16, uniquify_node_names
+from tasks.graph.edit import fp32_from_fp16, name_allocator, uniquify_node_names
 from tasks.graph.fold import fold_constants
 from tasks.graph.load import opset_of, with_opset
 from tasks.accuracy.metrics import worst_feed_cosine
@@ -104,6 +105,7 @@ def prepare_graph(src: Path, dst: Path, feeds: list[Feed], ref: list[dict]) -> t
     if model.ir_version >= 4:
         info["constants_folded"] = fold_constants(model.graph)
     uniquify_node_names(model.graph)
+    info["biases_unshared"] = unshare_biases(model.graph)
     onnx.save(model, str(dst))
     run = ort_runner(dst, stage=STAGE)
     cos = worst_feed_cosine([run(f) for f in feeds], ref)
@@ -113,6 +115,35 @@ def prepare_graph(src: Path, dst: Path, feeds: list[Feed], ref: list[dict]) -> t
                          f"constant folding) changed its outputs: cosine {cos:.6f}", stage=STAGE, file=str(src),
                          fix="export the model at opset >= 13")
     return dst, info
+
+
+def unshare_biases(g) -> int:
+    """Give every layer (Conv, ConvTranspose, Gemm) that shares its bias initializer with another layer a copy of its
+    own, under a name no value of the graph has. ONNX Runtime's quantizer copies a shared bias itself, naming the copy
+    the bias's name with a number appended, which can be another tensor's name (tf2onnx shares equal biases across
+    layers: Basic Pitch's Conv bias ``conv1d_25`` + "2" is Conv ``conv1d_252``'s output), and the Q/DQ graph then feeds a
+    layer another layer's activations as its bias ("Conv bias must be a 1D tensor of size output_channels"). Returns
+    the number of copies made."""
+    from onnx import TensorProto
+
+    inits = {t.name: t for t in g.initializer}
+    fresh = name_allocator(g)
+    seen: set[str] = set()
+    copies = 0
+    for node in g.node:
+        if node.op_type not in ("Conv", "ConvTranspose", "Gemm") or len(node.input) < 3 or node.input[2] not in inits:
+            continue
+        bias = node.input[2]
+        if bias not in seen:
+            seen.add(bias)
+            continue
+        copy = TensorProto()
+        copy.CopyFrom(inits[bias])
+        copy.name = fresh(f"{bias}_{node.name or 'layer'}")
+        g.initializer.append(copy)
+        node.input[2] = copy.name
+        copies += 1
+    return copies
 
 
 def calibrate_ranges(prepared: Path, feeds: list[Feed], method: str, work: Path,
