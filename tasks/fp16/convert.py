@@ -66,6 +66,9 @@ def _fp16_from_onnx(model: onnx.ModelProto, keep_fp32: dict[str, float], cancel_
       * nodes consuming a float initializer that fp16 can't hold: overflow
         (|x| > 65504) or most of its mass in the subnormal range (relative L2
         rounding error > MAX_REL_ERROR; stray denormal weights don't count);
+      * the Log/Div/Reciprocal/Sqrt/Pow reading such a node's output when that
+        node adds or clamps by its tiny constant (``log(x + 1e-10)``): the guard
+        is fp32, but its output cast back to fp16 is 0 again (``_guarded_by_tiny_constants``);
       * a DequantizeLinear whose every reader is kept fp32 (a quantized Conv
         whose values leave fp16's range): it dequantizes to fp32 itself, since
         a Cast between a DQ and its layer stops TensorRT fusing them into an
@@ -147,6 +150,8 @@ def _fp32_reasons(g: onnx.GraphProto, op_block: set[str], keep_fp32: dict[str, f
     data_range = _mark_nodes_by_values(g, keep_fp32, reasons, "data_range", reading=True)
     # a node reading or making values that fp16 flushes (below its normal range, ~6.1e-5)
     underflow = _mark_nodes_by_values(g, tiny_fp32, reasons, "data_underflow", reading=True)
+    for name in _guarded_by_tiny_constants(g, {n for n, r in reasons.items() if r == "initializer_range"}):
+        reasons.setdefault(name, "tiny_guard")
     for node in g.node:  # what the accuracy search keeps (tasks.fp16.search), after the data's own reasons
         if node.name in keep_nodes:
             reasons.setdefault(node.name, "accuracy")
@@ -271,6 +276,41 @@ def _range_unsafe_consumers(g: onnx.GraphProto) -> set[str]:
     if not bad:
         return set()
     return {n.name for n in g.node if bad.intersection(node_inputs(n))}
+
+
+GUARD_OPS = ("Add", "Sum", "Max", "Clip")  # ops that keep a value off zero by a constant (x + eps, max(x, eps))
+# ops that turn a value fp16 flushes to zero into -inf/inf/NaN (or a huge error): Log(0), 1/0, x/0, Pow(0, -k)
+ZERO_SENSITIVE = {"Log": (0,), "Reciprocal": (0,), "Div": (1,), "Pow": (0,), "Sqrt": (0,)}
+THROUGH = ("Sqrt", "Pow", "Cast", "Identity", "Reshape", "Transpose", "Unsqueeze", "Squeeze", "Expand")  # on to a Div
+
+
+def _guarded_by_tiny_constants(g: onnx.GraphProto, range_kept: set[str]) -> list[str]:
+    """Names of the nodes that read, as a zero-sensitive input (``ZERO_SENSITIVE``), the output of a guard
+    (``GUARD_OPS``) kept fp32 for its constant that fp16 cannot hold (``range_kept``), directly or through
+    ``THROUGH`` ops (``Div(x, Sqrt(v + eps))``). The guard computes in fp32, but the converter casts its output back
+    to fp16 for fp16 readers, and what the eps kept off zero (power spectra of silence, a variance of a constant row)
+    is 0 again: Basic Pitch's ``Log(x^2 + 1e-10)`` gave -inf on quiet audio and every output NaN."""
+    readers = collections.defaultdict(list)
+    for node in g.node:
+        for k, i in enumerate(node.input):
+            if i:
+                readers[i].append((node, k))
+    out: list[str] = []
+    seen: set[str] = set()
+    frontier = [o for n in g.node if n.name in range_kept and n.op_type in GUARD_OPS for o in n.output if o]
+    for _ in range(4):  # a few ops deep: Sqrt then Div, a Reshape on the way
+        nxt = []
+        for v in frontier:
+            for node, k in readers.get(v, ()):
+                if node.name in seen:
+                    continue
+                if k in ZERO_SENSITIVE.get(node.op_type, ()):
+                    seen.add(node.name)
+                    out.append(node.name)
+                if node.op_type in THROUGH and k == 0:
+                    nxt.extend(o for o in node.output if o)
+        frontier = nxt
+    return out
 
 
 def _fp16_rel_error(a: np.ndarray, chunk: int = 1 << 20) -> float:

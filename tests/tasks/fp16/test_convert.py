@@ -293,6 +293,36 @@ def test_overflowing_initializer_keeps_consumer_fp32():
     assert _cosine(_run(fp32, x)[0], _run(fp16, x)[0]) >= MIN_COSINE
 
 
+@pytest.mark.parametrize("form", ["log", "layernorm"])
+def test_a_tiny_guard_and_what_it_guards_stay_fp32(form):
+    """log(x^2 + 1e-10) (Basic Pitch's spectrogram) and x / sqrt(v + 1e-12) (a decomposed normalization): the eps is
+    beyond fp16, so its Add stays fp32, and the Log or the Sqrt and the Div it guards stay fp32 too: cast back to fp16,
+    the guarded value of quiet input is 0 again (-inf, inf)."""
+    if form == "log":
+        nodes = [_const("eps", [1e-10]), oh.make_node("Mul", ["x", "x"], ["sq"], name="square"),
+                 oh.make_node("Add", ["sq", "eps"], ["guarded"], name="add_eps"),
+                 oh.make_node("Log", ["guarded"], ["y"], name="log")]
+        guarded = {"log"}
+    else:
+        nodes = [_const("eps", [1e-12]), oh.make_node("Mul", ["x", "x"], ["sq"], name="square"),
+                 oh.make_node("ReduceMean", ["sq"], ["var"], name="var", keepdims=1, axes=[1]),
+                 oh.make_node("Add", ["var", "eps"], ["guarded"], name="add_eps"),
+                 oh.make_node("Sqrt", ["guarded"], ["std"], name="sqrt"),
+                 oh.make_node("Div", ["x", "std"], ["y"], name="div")]
+        guarded = {"sqrt", "div"}
+    graph = oh.make_graph(nodes, form, [oh.make_tensor_value_info("x", TP.FLOAT, ["N", 8])],
+                          [oh.make_tensor_value_info("y", TP.FLOAT, ["N", 8])])
+    fp32 = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)
+    fp16, stats = _convert(fp32)
+    onnx.checker.check_model(fp16, full_check=True)
+    assert stats["fp32_reasons"] == {"initializer_range": 1, "tiny_guard": len(guarded)}, stats["fp32_reasons"]
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(4, 8)).astype(np.float32)
+    x[0] *= 1e-5  # quiet: its square, 1e-10, is below fp16's smallest subnormal
+    got, ref = _run(fp16, x)[0], _run(fp32, x)[0]
+    assert np.isfinite(got).all() and _cosine(got, ref) >= MIN_COSINE
+
+
 def test_graph_output_from_fp32_node_stays_fp32():
     # The converter leaves an output produced by a blocked node (BN here) fp16.
     nodes = [
