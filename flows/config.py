@@ -292,7 +292,7 @@ def data_of(cfg: DictConfig, inputs: list, profiles: list, rules: Any, calibrate
                       calibration_data=user.get("calibration.data"), validation_data=user.get("validation.data"),
                       recipe=OmegaConf.to_container(m.images) if m.images is not None else None,
                       calibration_samples=cal.samples, validation_samples=cfg.validation.samples, seed=cfg.seed,
-                      validation_seed=cfg.validation.seed)
+                      validation_seed=cfg.validation.seed, labelled=bool(cfg.validation.labels))
     return data, user
 
 

@@ -9,7 +9,8 @@ Policy (summary.json ``data`` reports each set: samples, source, how it was made
     for the accuracy search (at most MAX_VALIDATION / MAX_SEARCH samples); calibration takes the rest (at most
     ``calibration.samples``);
   - a build that does not calibrate (fp32/fp16) validates on all of ``calibration.data`` when given: data the user
-    gave for one purpose checks the other;
+    gave for one purpose checks the other; an fp16 build that may search holds the search's samples out of it (or,
+    with only ``validation.data`` given, out of that: the search judges the kind of data validate judges);
   - else the model's images (a folder split by file, or synthetic pages rendered from separate seeds), else random
     values inside the profiles (drawn from separate seeds).
 * When the data is too small to hold samples out, the split says so (``notes``): the search judges on the
@@ -42,8 +43,9 @@ SEARCH_RANDOM_SHAPES = 5  # generated search set: min, opt, max and this many ra
 def split_data(*, inputs: list[TensorInfo], profiles: list[dict], rules: ShapeRules, calibrate: bool, search: bool,
                validate: bool, calibration_data: UserData | None = None, validation_data: UserData | None = None,
                recipe: dict | None = None, calibration_samples: int = 16, validation_samples: int = 4,
-               seed: int = 0, validation_seed: int = 0) -> DataSplit:
-    """The three sets for one build (see the module doc). ``calibrate``/``search``/``validate``: which sets it needs."""
+               seed: int = 0, validation_seed: int = 0, labelled: bool = False) -> DataSplit:
+    """The three sets for one build (see the module doc). ``calibrate``/``search``/``validate``: which sets it needs.
+    ``labelled``: validation.labels label every sample of ``validation_data``, which then validates whole."""
     split = DataSplit()
     gen = _Generated(inputs, profiles, rules, recipe, seed)
     if calibration_data is not None and validation_data is not None:
@@ -60,6 +62,9 @@ def split_data(*, inputs: list[TensorInfo], profiles: list[dict], rules: ShapeRu
     elif search:  # a build that does not calibrate (fp16) but searches: its own held-out samples, none validates
         if calibration_data is not None:
             _search_of_user_data(split, calibration_data, gen, inputs, profiles, validate, seed)
+        elif validation_data is not None and validate and not labelled:  # the search judges what validate judges
+            split.validation = None
+            _search_of_user_data(split, validation_data, gen, inputs, profiles, validate, seed)
         else:
             _search_of_generated(split, gen, validate, validation_samples, validation_seed, seed)
 
@@ -136,8 +141,11 @@ def _hold_out_of_generated(split: DataSplit, gen: "_Generated", search: bool, va
 
 def _search_of_user_data(split: DataSplit, calibration_data: UserData, gen: "_Generated", inputs: list[TensorInfo],
                          profiles: list[dict], validate: bool, seed: int) -> None:
-    """A build that does not calibrate but searches (fp16), on the user's data: the search's samples held out, the
-    rest validates unless validation has data of its own."""
+    """A build that does not calibrate but searches (fp16), on the user's data (``calibration_data``: calibration.data,
+    or validation.data when that is all the user gave): the search's samples held out, the rest validates unless
+    validation has data of its own. A search on generated inputs beside a validation on the user's data judged noise
+    while validate judged audio: Basic Pitch's search met 0.99995 on random values, then every output of its quiet
+    validation clips was NaN."""
     units = _units(calibration_data.feeds, profiles)
     n = len(units)
     order = list(np.random.default_rng(seed).permutation(n))
@@ -152,12 +160,15 @@ def _search_of_user_data(split: DataSplit, calibration_data: UserData, gen: "_Ge
             split.validation = _from_user(
                 calibration_data, "validation", _batches([units[i] for i in sorted(order[n_search:])], inputs,
                                                          profiles), inputs, profiles, held=(n - n_search, 0),
-                notes=["the build does not calibrate: the calibration data validates it, less the samples "
-                       "held out for the fp16 accuracy search"])
+                notes=[(f"{calibration_data.key} validates the build, less" if calibration_data.key == "validation.data"
+                        else "the build does not calibrate: the calibration data validates it, less") +
+                       " the samples held out for the fp16 accuracy search"])
     else:
         split.search = gen.search()
-        split.notes.append(f"calibration.data holds {n} sample: too few to hold one out for the fp16 accuracy "
+        split.notes.append(f"{calibration_data.key} holds {n} sample: too few to hold one out for the fp16 accuracy "
                            "search, which judges on generated inputs")
+        if calibration_data.key == "validation.data" and split.validation is None:
+            split.validation = _from_user(calibration_data, "validation", calibration_data.feeds, inputs, profiles)
 
 
 def _search_of_generated(split: DataSplit, gen: "_Generated", validate: bool, validation_samples: int,
@@ -171,8 +182,11 @@ def _search_of_generated(split: DataSplit, gen: "_Generated", validate: bool, va
         n_search = math.ceil(n * HOLD_OUT_SHARE)
         split.search = gen.search(order[:n_search])
         split.validation = gen.validation(validation_samples, validation_seed, order[n_search:])
-    elif files is None:  # rendered pages or random inputs, from seeds of their own
-        split.search = gen.search()
+    elif files is None:  # rendered pages or random inputs, from seeds of their own, at every shape validate draws
+        if validate and split.validation is None:
+            split.validation = gen.validation(validation_samples, validation_seed)
+        split.search = gen.search(judged=split.validation if split.validation is not None and
+                                  split.validation.kind != "file" else None)
     else:
         split.notes.append(f"model.images.source holds {len(files)} images: too few to hold any out for the "
                            "fp16 accuracy search, which does not run")
@@ -309,16 +323,24 @@ class _Generated:
         return DataSet("calibration", kind, source, {**key, "shapes": shapes, "seed": self.seed + 1000,
                                                      "generator": GENERATOR_VERSION}, make, files=_listed(files))
 
-    def search(self, files: list[str] | None = None) -> DataSet:
+    def search(self, files: list[str] | None = None, judged: DataSet | None = None) -> DataSet:
+        """The search's held-out set: the first profile's shapes as ``heldout_shapes`` draws them, every other
+        profile's min, opt and max, and, given the set validate will judge (``judged``, generated too), each of its
+        shapes not drawn already: the search judges every shape validate judges, each with content of its own."""
         rng = np.random.default_rng(self.seed + 5000)
         shapes = heldout_shapes(self.profiles[0], SEARCH_RANDOM_SHAPES, rng, self.rules)
+        shapes += [_fixed({n: r[w] for n, r in p.items()}) for p in self.profiles[1:] for w in ("min", "opt", "max")]
         kind, source, key = self._kind_source(files)
 
         def make() -> list[Feed]:
+            drawn = [_fixed(s) for s in _distinct_shapes(judged.feeds)] if judged is not None else []
+            every = shapes + [s for s in drawn if s not in shapes]
             return [generated_feeds(self.inputs, [s], 0, self.seed + 5000 + i, recipe=self.recipe,
-                                    offset=10_000 + i, files=files)[0] for i, s in enumerate(shapes)]
+                                    offset=10_000 + i, files=files)[0] for i, s in enumerate(every)]
         return DataSet("search", kind, source, {**key, "shapes": shapes, "seed": self.seed + 5000,
-                                                "generator": GENERATOR_VERSION}, make, files=_listed(files))
+                                                "generator": GENERATOR_VERSION,
+                                                **({"judged": judged.key} if judged is not None else {})},
+                       make, files=_listed(files))
 
     def validation(self, samples: int, seed: int, files: list[str] | None = None, recipe_ok: bool = True) -> DataSet:
         recipe = self.recipe if recipe_ok else None
@@ -333,6 +355,21 @@ class _Generated:
         return DataSet("validation", kind, source, {**key, "samples": samples, "seed": seed,
                                                     "rules": self.rules.as_dict(), "generator": GENERATOR_VERSION},
                        make, notes=notes, files=_listed(files))
+
+
+def _fixed(shape: dict) -> dict:
+    """A shape ({input: dims}) as a one-shape profile, as ``heldout_shapes`` gives its shapes."""
+    return {n: {"min": list(d), "opt": list(d), "max": list(d)} for n, d in shape.items()}
+
+
+def _distinct_shapes(feeds: list[Feed]) -> list[dict[str, list[int]]]:
+    """The distinct shapes of ``feeds`` ({input: dims}), in order."""
+    out: list[dict[str, list[int]]] = []
+    for f in feeds:
+        s = {n: list(a.shape) for n, a in f.items()}
+        if s not in out:
+            out.append(s)
+    return out
 
 
 def _listed(files: list[str] | None) -> list[dict]:

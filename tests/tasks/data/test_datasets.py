@@ -128,6 +128,35 @@ def test_an_fp16_search_holds_its_samples_out_of_what_validates():
     assert s.search.key["seed"] != s.validation.key.get("seed")
 
 
+def test_an_fp16_search_judges_the_data_validate_judges():
+    """fp16 with validation.data alone: the search holds its samples out of validation.data (the kind of data validate
+    judges: a search on random values met its target while the audio validate judged gave NaN), the rest validates;
+    one sample is too few to hold out, and validates whole."""
+    s = split(calibrate=False, validation_data=user(16, "validation.data", seed=1))
+    search, val = ids(s.search), ids(s.validation)
+    assert (len(search), len(val)) == (4, 12) and not (search & val) and search | val == {1000 + i for i in range(16)}
+    assert s.search.kind == "file" and "held out for the accuracy search" in s.search.source
+    assert any("less the samples held out for the fp16 accuracy search" in n for n in s.validation.notes)
+    s = split(calibrate=False, validation_data=user(1, "validation.data", seed=1, batch=1))
+    assert s.search.kind == "random" and ids(s.validation) == {1000} and s.notes
+    s = split(calibrate=False, search=False, validation_data=user(16, "validation.data", seed=1))  # no search: all
+    assert s.search is None and len(ids(s.validation)) == 16
+    s = split(calibrate=False, validation_data=user(16, "validation.data", seed=1), labelled=True)  # labels: whole
+    assert len(ids(s.validation)) == 16 and s.search.kind == "random"
+
+
+def test_a_generated_fp16_search_judges_every_shape_validate_draws():
+    """Random inputs: the search's held-out set holds every profile's min, opt and max and each shape validate draws
+    (at its batch), each with content of its own."""
+    profiles = PROFILE + [{"x": {"min": [1, 3, 16, 16], "opt": [2, 3, 16, 16], "max": [2, 3, 16, 16]}}]
+    s = split_data(inputs=[TensorInfo("x", "float32", ["batch", 3, "h", "w"])], profiles=profiles, rules=ShapeRules(),
+                   calibrate=False, search=True, validate=True, validation_samples=4, validation_seed=3)
+    shapes = {tuple(f["x"].shape) for f in s.search.feeds}
+    assert {tuple(f["x"].shape) for f in s.validation.feeds} <= shapes
+    assert {(1, 3, 16, 16), (2, 3, 16, 16), (8, 3, 8, 8)} <= shapes
+    assert not {f["x"].tobytes() for f in s.search.feeds} & {f["x"].tobytes() for f in s.validation.feeds}
+
+
 def test_a_record_kept_by_a_cached_stage_describes_the_set_without_making_it_again():
     """summary.json's data figures of a cached build come from the record its stage kept (rendering a model's images
     takes seconds); a set whose content differs (another seed) does not take it."""
