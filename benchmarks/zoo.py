@@ -344,8 +344,11 @@ def calibration_data(name: str, form: str, folder: Path, samples: int = CALIBRAT
             full = [stacks, *shape]
         else:
             full = [samples, *shape[1:]] if shape else []
-        if k in recipe and recipe[k].get("kind") == "audio":
-            arrays[k] = audio(full, rng, float(recipe[k].get("scale", 1.0)), float(recipe[k].get("peak", 0.5))).astype(dtype)
+        if k in recipe and recipe[k].get("kind") == "audio":  # time on the last axis, or on `axis`
+            axis = int(recipe[k].get("axis", -1)) % len(full)
+            clips = audio([*full[:axis], *full[axis + 1:], full[axis]], rng, float(recipe[k].get("scale", 1.0)),
+                          float(recipe[k].get("peak", 0.5)), int(recipe[k].get("rate", 16000)))
+            arrays[k] = np.moveaxis(clips, -1, axis).astype(dtype)
         elif k in recipe and recipe[k].get("kind") == "file_bytes":
             arrays[k] = file_bytes(full, rng, **{a: int(v) for a, v in recipe[k].items() if a != "kind"}).astype(dtype)
         elif k in recipe and recipe[k].get("kind") == "tokens":  # token ids of a vocabulary (0 .. vocab - 1)
