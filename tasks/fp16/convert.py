@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
-from tasks.fp16.passes import (bypass_cast_round_trips, convert_graph, drop_dangling_value_info, fix_outer_scope_refs,
+from tasks.fp16.passes import (bypass_cast_round_trips, bypass_weight_identities, convert_graph, drop_dangling_value_info, fix_outer_scope_refs,
                                keep_float_value_info, restore_fp32_outputs, retarget_float_casts,
                                split_shared_initializers)
 from tasks.graph.types import SHAPE_OPS, unify_input_types
@@ -129,6 +129,7 @@ def _prepared_copy(model: onnx.ModelProto) -> tuple[onnx.ModelProto, onnx.GraphP
         m, _ = with_opset(m, 19)
     toposort(g)  # the passes below walk nodes in order (export sorts already)
     folded = fold_constants(g)
+    bypass_weight_identities(g)  # a weight shared through Identities stays one initializer: one fp16 copy
     uniquify_node_names(g)
     return m, g, qdq_opset, folded
 

@@ -9,7 +9,7 @@ import collections
 import onnx
 from onnx import TensorProto, helper
 
-from tasks.graph.edit import name_allocator, names_in, node_inputs, subgraphs, toposort
+from tasks.graph.edit import name_allocator, names_in, node_inputs, rename_values, subgraphs, toposort
 
 FP16_MAX = 65504.0
 
@@ -87,6 +87,32 @@ def _cast_around_blocked(g: onnx.GraphProto, op_block: set[str], node_block: set
                 v.type.tensor_type.elem_type = TensorProto.FLOAT16
                 g.node.append(helper.make_node("Cast", [new], [name], to=TensorProto.FLOAT16, name=fresh(f"{node.name}_output_cast{i}")))
                 node.output[i] = new
+
+
+def bypass_weight_identities(g: onnx.GraphProto) -> int:
+    """Readers of an Identity of a float initializer read the initializer itself; the Identity goes (unless its output
+    is a graph output). torch.onnx shares a weight between layers that reuse a module through such Identities: computed
+    from constants alone they counted as shape arithmetic and stayed fp32, so the weight stayed fp32 and each layer got
+    a Cast of it to fp16, which TensorRT folds into one fp16 copy per layer (a graph transformer with one weight-shared
+    layer applied 6 times: fp16 engine 4.47 MB beside the fp32 engine's 4.51 MB). Returns the number removed."""
+    floats = {t.name for t in g.initializer if t.data_type in (TensorProto.FLOAT, TensorProto.FLOAT16)}
+    outputs = {o.name for o in g.output}
+    mapping: dict[str, str] = {}
+    drop = []
+    for node in g.node:  # topological order: an Identity of an Identity maps to the first one's initializer
+        src = mapping.get(node.input[0], node.input[0]) if node.op_type == "Identity" and node.input else None
+        if src in floats and node.output[0] not in outputs:
+            mapping[node.output[0]] = src
+            drop.append(node)
+    if not drop:
+        return 0
+    for node in drop:
+        g.node.remove(node)
+    keep_vi = [v for v in g.value_info if v.name not in mapping]
+    del g.value_info[:]
+    g.value_info.extend(keep_vi)
+    rename_values(g, mapping)
+    return len(drop)
 
 
 def split_shared_initializers(g: onnx.GraphProto, blocked: set[str]) -> None:

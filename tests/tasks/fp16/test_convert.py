@@ -323,6 +323,33 @@ def test_a_tiny_guard_and_what_it_guards_stay_fp32(form):
     assert np.isfinite(got).all() and _cosine(got, ref) >= MIN_COSINE
 
 
+def test_a_weight_shared_through_identities_stays_one_fp16_weight():
+    """torch.onnx shares a reused module's weight through Identity nodes: converted, the layers read one fp16 weight
+    (not the fp32 weight cast per layer, which TensorRT folds into a copy per layer), and the fp16 engine is about half
+    the fp32 one."""
+    rng = np.random.default_rng(4)
+    d, layers = 512, 4
+    w = nh.from_array((rng.standard_normal((d, d)) * 0.04).astype(np.float32), "w")
+    nodes, x = [], "x"
+    for i in range(layers):
+        nodes += [oh.make_node("Identity", ["w"], [f"w{i}"], name=f"share{i}"),
+                  oh.make_node("MatMul", [x, f"w{i}"], [f"m{i}"], name=f"mm{i}"),
+                  oh.make_node("Relu", [f"m{i}"], [f"r{i}"], name=f"relu{i}")]
+        x = f"r{i}"
+    graph = oh.make_graph(nodes, "shared", [oh.make_tensor_value_info("x", TP.FLOAT, ["N", d])],
+                          [oh.make_tensor_value_info(x, TP.FLOAT, ["N", d])], [w])
+    fp32 = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)
+    fp16, _ = _convert(fp32)
+    onnx.checker.check_model(fp16, full_check=True)
+    weights = [t for t in fp16.graph.initializer if len(t.dims) == 2]
+    assert [t.data_type for t in weights] == [TP.FLOAT16], [(t.name, t.data_type) for t in weights]
+    assert not [n for n in fp16.graph.node if n.op_type in ("Identity", "Cast") and n.input[0] == "w"]
+    x = rng.standard_normal((2, d)).astype(np.float32)
+    assert _cosine(_run(fp32, x)[0], _run(fp16, x)[0]) >= MIN_COSINE
+    profile = ((1, d), (2, d), (4, d))
+    assert _trt_engine_bytes(fp16, profile) < 0.7 * _trt_engine_bytes(fp32, profile)
+
+
 def test_graph_output_from_fp32_node_stays_fp32():
     # The converter leaves an output produced by a blocked node (BN here) fp16.
     nodes = [
