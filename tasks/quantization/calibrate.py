@@ -23,7 +23,7 @@ from typing import Callable
 
 import numpy as np
 
-from tasks.common.errors import StageError
+from tasks.common.errors import AccuracyError, StageError
 from tasks.data.inputs import batch_size
 from tasks.onnxrt.ort import ordered_runs, ort_runner, quiet_python_logging, run_workers
 from tasks.fp16.hazards import DATA_MAX, fp16_hazards_from_data
@@ -101,26 +101,68 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
         calibration_seconds = time.perf_counter() - t_cal
 
         t_search = time.perf_counter()
-        # the float remainder in fp16, except where the calibration data's values leave fp16's range or would cancel
-        keep, cancel = fp16_hazards_from_data(onnx_model(prepared), feeds, data_max) if high_precision == "fp16" else ({}, {})
-        q = Quantizer(prepared, ranges, precision, high_precision, keep, cancel)
-        q.layers = [n for n in q.layers if n not in unreached]
-        check_layers(q.layers, unreached, no_layers_ok, fp32_path)
-        s = SearchState(fp32_path, precision, method, choose, min_cosine, high_precision, metric, metric.label,
-                        metric.name == "cosine", feeds, eval_feeds, judge_feeds, judged, ref, run_fp32, through,
-                        prepared, q.layers, q)
-        judge_every_layer(s)
-        s.chosen, s.cos_chosen = list(s.layers), s.cos_all
-        if min_cosine is not None and not s.all_met:
-            search_layers(s)
+        # the float remainder in fp16, except where the calibration data's values leave fp16's range, would cancel or
+        # fall below its normal range: what the fp16 checks keep fp32 at fp16 stays fp32 here
+        keep, cancel, tiny = fp16_hazards_from_data(onnx_model(prepared), feeds, data_max, underflow=True) \
+            if high_precision == "fp16" else ({}, {}, {})
+        tried: list[SearchState] = []
+
+        def searched(keep_nodes: dict[str, float]) -> SearchState:
+            q = Quantizer(prepared, ranges, precision, high_precision, keep, cancel, tiny, keep_nodes)
+            q.layers = [n for n in q.layers if n not in unreached]
+            check_layers(q.layers, unreached, no_layers_ok, fp32_path)
+            s = SearchState(fp32_path, precision, method, choose, min_cosine, high_precision, metric, metric.label,
+                            metric.name == "cosine", feeds, eval_feeds, judge_feeds, judged, ref, run_fp32, through,
+                            prepared, q.layers, q)
+            tried.append(s)
+            judge_every_layer(s)
+            s.chosen, s.cos_chosen = list(s.layers), s.cos_all
+            if min_cosine is not None and not s.all_met:
+                search_layers(s)
+            return s
+
+        try:
+            s = searched({})
+            remainder: dict = {}
+        except AccuracyError:
+            first = tried[-1] if tried else None
+            if first is None or first.cos_none is None or first.cos_none.bound >= min_cosine or \
+                    high_precision != "fp16" or through is not None:
+                raise
+            # the fp16 remainder alone misses the target: the fp16 accuracy search keeps what it must fp32, as at fp16
+            remainder = _remainder_kept_fp32(first, keep, cancel, tiny, work)
+            s = searched(remainder["kept"])
         s.q.write(s.chosen, out_path)
         if workdir is not None:  # the ranges in use, kept beside the graph (a second of JSON on PP-OCRv4 det)
             save_ranges(s.q.ranges, cache)
         search_seconds = time.perf_counter() - t_search
         files = {"onnx": out_path, **({"calibration_cache": cache, "fp32_prepared": prepared} if workdir is not None
                                       else {})}
-        return _stage_result(s, files, reused, prep_info, keep, cancel, unreached,
-                             calibration_seconds, search_seconds, t0)
+        r = _stage_result(s, files, reused, prep_info, keep, cancel, unreached, calibration_seconds, search_seconds, t0)
+        r.details["fp32_by_data_underflow"] = tiny  # value -> fp16's relative error below its normal range (fp32)
+        if remainder:  # nodes of the float remainder the fp16 search kept fp32 (the remainder alone missed the target)
+            r.details["fp16_remainder_search"] = remainder
+        return r
+
+
+def _remainder_kept_fp32(s: SearchState, keep: dict, cancel: dict, tiny: dict, work: Path) -> dict:
+    """The nodes of the fp32 graph (``s.prepared``) that int8's float remainder keeps fp32, found by the fp16 accuracy
+    search (tasks.fp16.search) on the int8 search's judged samples against its target, by its metric: {"kept": {node:
+    its error growth}, "cosine_fp16": the remainder as converted, "metrics": the fp16 search's}. An fp16 search that
+    cannot meet the target raises its AccuracyError, said of int8's remainder."""
+    from tasks.fp16.convert import fp16_from_onnx
+    from tasks.fp16.search import fp16_within_budget
+
+    model = onnx_model(s.prepared)
+    try:
+        r = fp16_within_budget(s.prepared, work / "remainder_fp16.onnx", s.judge_feeds, s.min_cosine,
+                               convert=lambda kept: fp16_from_onnx(model, keep, cancel, tiny, kept),
+                               metric=s.metric, samples_text=f"samples of the {s.precision} search ({s.judged})")
+    except AccuracyError as e:
+        raise AccuracyError(f"{s.precision}'s float remainder computes in fp16, and {e.message}", stage=STAGE,
+                            file=str(s.fp32_path), fix=e.fix) from e
+    search = r.details.get("fp16_search", {})
+    return {"kept": dict(search.get("kept", {})), "cosine_fp16": search.get("cosine_fp16"), "metrics": r.metrics}
 
 
 def _judged_set(feeds: list[Feed], eval_feeds: list[Feed] | None, through) -> tuple[list[Feed], list[Feed], str]:

@@ -227,8 +227,8 @@ def refuse_without_layers(s: SearchState) -> None:
             f"the {s.high_precision} graph without any Q/DQ already gives {what} {s.cos_none.cosine:.8f}"
             f"{s.cos_none.less_se}, below the search's target {min_cosine:.6g} "
             f"(accuracy.metric={metric.name}; {s.judged})", stage=STAGE, file=str(s.fp32_path),
-            fix=f"relax accuracy.metric={metric.name}'s threshold, or quantize with the rest of the graph "
-                "in fp32")
+            fix=f"relax accuracy.metric={metric.name}'s threshold (accuracy.min_cosine for cosine), or build this "
+                "model at precision=fp16: its accuracy search keeps in fp32 the nodes fp16 cannot compute")
     raise AccuracyError(
         f"no layer can be quantized to {s.precision} within the search's target {what} {min_cosine:.6g} "
         f"(accuracy.metric={metric.name} and calibration.budget_margin): all {len(s.layers)} "

@@ -45,7 +45,8 @@ class Quantizer:
     """
 
     def __init__(self, model_path: Path, ranges, precision: str, high_precision: str = "fp16",
-                 keep_fp32: dict[str, float] | None = None, cancel_fp32: dict[str, float] | None = None):
+                 keep_fp32: dict[str, float] | None = None, cancel_fp32: dict[str, float] | None = None,
+                 tiny_fp32: dict[str, float] | None = None, keep_nodes: dict[str, float] | None = None):
         from onnx import numpy_helper
         from onnxruntime.quantization.quant_utils import QuantType, load_model_with_shape_infer, update_opset_version
 
@@ -56,6 +57,10 @@ class Quantizer:
         self.high_precision = high_precision
         self.keep_fp32 = dict(keep_fp32 or {})  # values beyond fp16's range on the calibration data: their nodes stay fp32
         self.cancel_fp32 = dict(cancel_fp32 or {})  # values cancelling subtractions are computed from: fp32 too
+        self.tiny_fp32 = dict(tiny_fp32 or {})  # values below fp16's normal range on the calibration data: fp32 too
+        # nodes the fp16 accuracy search keeps fp32 in the remainder (tasks.fp16.search, by name): int8's remainder is
+        # fp16, with fp16's hazards
+        self.keep_nodes = dict(keep_nodes or {})
         self.base = update_opset_version(load_model_with_shape_infer(Path(model_path)), qt, qt)  # fp8: opset 19
         self._weights = {t.name: t for t in self.base.graph.initializer}
         self._fp8_weights: dict[tuple[str, int | None], tuple[np.ndarray, np.ndarray]] = {}
@@ -106,8 +111,13 @@ class Quantizer:
         """The graph that ships: the Q/DQ graph of ``names`` with every other op at ``high_precision``."""
         m = self.qdq(names)
         if self.high_precision == "fp16":
-            m, _ = fp16_from_onnx(m, self.keep_fp32, self.cancel_fp32)  # it sorts the graph first (ORT's quantizer appends its Q/DQ nodes)
+            m, _ = self.fp16(m)  # it sorts the graph first (ORT's quantizer appends its Q/DQ nodes)
         return m
+
+    def fp16(self, m):
+        """``m`` (a Q/DQ graph of this model) with its float remainder in fp16, kept fp32 where the fp16 checks keep
+        it (the data's hazards, the fp16 search's nodes): (the model, the conversion's stats)."""
+        return fp16_from_onnx(m, self.keep_fp32, self.cancel_fp32, self.tiny_fp32, self.keep_nodes)
 
     def qdq(self, names: list[str]):
         """The Q/DQ graph with exactly the layers ``names`` quantized (derived from the all-layers graph), in fp32."""

@@ -214,9 +214,8 @@ def _fp16_emulated(m: onnx.ModelProto, q) -> onnx.ModelProto:
     page (int8 rounding of a flat background lands on either side of a step, so a tiny change of its value flips the
     page)."""
     from tasks.onnxrt.emulate import fp16_rounded
-    from tasks.fp16.convert import fp16_from_onnx
 
-    m, _ = fp16_from_onnx(m, q.keep_fp32, q.cancel_fp32)
+    m, _ = q.fp16(m)
     r = fp16_rounded(m)
     if r is None:  # control flow: ONNX Runtime's own fp16 execution, as precision_runner runs it
         return m

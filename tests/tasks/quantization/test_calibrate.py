@@ -343,8 +343,10 @@ def test_impossible_budget_raises_accuracy_error(tiny):
     e = ei.value
     assert e.stage == "calibrate" and e.fix
     assert "no layer can be quantized" in e.message and "layers together give 0.9" in e.message, e.message
-    with pytest.raises(AccuracyError, match="fp16 graph without any Q/DQ already gives cosine 0.99999"):
-        qdq_from_onnx(path, feeds, d / "never.onnx", min_cosine=1.0)  # fp16 rounding alone misses a budget of 1
+    with pytest.raises(AccuracyError) as ei:  # fp16 rounding alone misses a budget of 1: the remainder's search too
+        qdq_from_onnx(path, feeds, d / "never.onnx", min_cosine=1.0)
+    assert "int8's float remainder computes in fp16, and fp16 misses the accuracy budget" in ei.value.message
+    assert "that is an fp32 engine" in ei.value.message and "precision=fp32" in ei.value.fix
     assert not (d / "never.onnx").exists()
 
 
@@ -543,3 +545,23 @@ def test_the_validation_fix_says_whether_the_search_ran():
     unsearched = search_fix(m, 17, 0.5, searched=False)
     assert "met its target" not in unsearched and "calibration.search=true" in unsearched and "0.880000" in unsearched
     assert search_fix({}, 17, 0.5) is None
+
+
+def test_int8_keeps_in_fp32_what_its_fp16_remainder_cannot_compute(tmp_path):
+    """int8's float remainder is fp16, with fp16's hazards: a decoder whose decoding Loop flips an argmax in fp16
+    (tests/tasks/fp16/test_search.py) misses the budget even without any Q/DQ; the fp16 accuracy search keeps the Loop
+    in fp32 in the Q/DQ graph, and its encoder's MatMuls are quantized."""
+    from tests.tasks.fp16.test_search import _feeds, decoder
+
+    path = tmp_path / "decoder.onnx"
+    onnx.save(decoder(), str(path))
+    feeds = _feeds(12, seed=5)
+    r = qdq_from_onnx(path, feeds[:8], tmp_path / "q.onnx", method="minmax", min_cosine=0.99, eval_feeds=feeds[8:],
+                      workdir=tmp_path / "work")
+    assert "decode_loop" in r.details["fp16_remainder_search"]["kept"], r.details.get("fp16_remainder_search")
+    assert r.metrics["quantized_layers"] >= 1, r.metrics
+    q = onnx.load(str(tmp_path / "q.onnx"))
+    loop = next(n for n in q.graph.node if n.op_type == "Loop")
+    types = {v.name: v.type.tensor_type.elem_type for v in (*q.graph.value_info, *q.graph.output)}
+    assert types.get(loop.output[0], TensorProto.FLOAT) == TensorProto.FLOAT  # the Loop computes in fp32
+    assert r.metrics["search_cosine_worst_feed"] > 0.99
