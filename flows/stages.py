@@ -193,10 +193,13 @@ def _say_fp16(ctx: BuildContext, r: StageResult, ranged, goal, held) -> None:
 
 
 def fp16_searchable(ctx: BuildContext) -> bool:
-    """Whether this build may search the nodes to keep fp32 at fp16 (tasks/fp16/search.py): fp16 from a float model,
-    calibration.search on, held-out samples for it."""
+    """Whether this build may search the nodes to keep fp32 at fp16 (tasks/fp16/search.py): fp16 from a float model
+    (or one quantized dynamically only: its engines compute float), calibration.search on, held-out samples for it."""
+    from tasks.prequant import float_engines
+
     p, q = ctx.cfg.precision, prequantized(ctx)
-    return p.name == "fp16" and not q and bool(ctx.cfg.calibration.search) and ctx.data.search is not None
+    return (p.name == "fp16" and (not q or float_engines(q)) and bool(ctx.cfg.calibration.search)
+            and ctx.data.search is not None)
 
 
 def fp16_search_due(ctx: BuildContext) -> bool:

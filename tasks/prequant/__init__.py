@@ -6,6 +6,7 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "dequantized_fix": "fixes",
     "dequantized_vs_shipped": "fixes",
     "describe": "detect",
+    "float_engines": "detect",
     "float_weight_segments": "calibration",
     "float_weights": "weight_only",
     "keep_weight_scales": "weight_only",

@@ -63,6 +63,13 @@ def quantized_kind(model: onnx.ModelProto) -> str | None:
     return "fp8" if kinds & FP8_TYPES else "int8" if kinds & INT8_TYPES else None
 
 
+def float_engines(q: dict) -> bool:
+    """Whether every TensorRT engine of a model that arrived quantized computes float: its only quantization is
+    dynamic (MatMulInteger/ConvInteger run natively in ONNX Runtime), so at fp16 its TensorRT part is converted, and
+    searched for the nodes to keep fp32 (tasks/fp16/search.py), as any float model's is."""
+    return q.get("computes") is None
+
+
 def precision_for(q: dict, precision: str) -> str:
     """The graph a model that arrived quantized is built from at ``precision``, so that the engine computes what its
     name says: "as_is" (its own Q/DQ, its float part as shipped) when ``precision`` is what it is quantized to, "fp16"

@@ -70,3 +70,23 @@ def test_the_fp16_search_judges_by_accuracy_metric(prefect_harness, decoder_conf
     note = s["stages"]["build"]["note"]
     assert "decode_loop" in note and "accuracy.metric=top1" in note and "disjoint from validation's" in note
     assert s["data"]["search"]["samples"] == 3 and s["data"]["validation"]["samples"] == 9
+
+
+def test_a_dynamically_quantized_decoder_is_searched_at_fp16(prefect_harness, decoder_conf, tmp_path):
+    """The decoder quantized dynamically (its encoder MatMuls as MatMulInteger, run natively in ONNX Runtime): its
+    engines compute float, so at fp16 the search keeps the diverging Loop fp32 as it does for the float model, judged
+    against the model as shipped."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    conf = tmp_path / "conf"
+    (conf / "model").mkdir(parents=True)
+    src = conf / "decoder_dynamic.onnx"
+    quantize_dynamic(str(decoder_conf / "decoder.onnx"), str(src), weight_type=QuantType.QInt8,
+                     op_types_to_quantize=["MatMul"])
+    (conf / "model" / "decoder_dynamic.yaml").write_text(f"name: decoder_dynamic\nsource: {src}\n")
+    s = build(["model=decoder_dynamic", "precision=fp16", f"calibration.data={decoder_conf / 'samples.npz'}",
+               "stages.benchmark=false"], conf, tmp_path)
+    assert s["status"] == "ok", s.get("error")
+    m = s["metrics"]
+    assert m["search_cosine_fp16"] < 0.9 and m["search_cosine_worst_feed"] >= 0.99 and m["cosine_min"] >= 0.99, m
+    assert m["fallback_layers"] >= 1 and "decode_loop" in s["stages"]["build"]["note"]
