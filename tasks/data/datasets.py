@@ -312,6 +312,17 @@ class _Generated:
             return None
         return [str(f) for f in list_images(src, "model.images.source")]
 
+    def _domain_key(self) -> dict:
+        return _domain_key_of(self.rules)
+
+    def meaning_notes(self, recipe: dict | None) -> list[str]:
+        """What the random inputs of a generated set were drawn as, where the graph shows what they mean."""
+        drawn = {n: d for n, d in self.rules.domains.items() if recipe is None or n != recipe.get("input")}
+        if not drawn:
+            return []
+        return ["random inputs drawn in the domain the graph shows: " +
+                "; ".join(d.describe(n) for n, d in sorted(drawn.items()))]
+
     def _kind_source(self, files: list[str] | None) -> tuple[str, str, dict]:
         if self.recipe is None:
             return "random", "random inputs inside the profiles", {}
@@ -336,9 +347,10 @@ class _Generated:
 
         def make() -> list[Feed]:
             return [generated_feeds(self.inputs, [s], 0, self.seed + 1000 + i, recipe=self.recipe, offset=i,
-                                    files=files)[0] for i, s in enumerate(shapes)]
+                                    files=files, rules=self.rules)[0] for i, s in enumerate(shapes)]
         return DataSet("calibration", kind, source, {**key, "shapes": shapes, "seed": self.seed + 1000,
-                                                     "generator": GENERATOR_VERSION}, make, notes=notes,
+                                                     "generator": GENERATOR_VERSION, **self._domain_key()}, make,
+                       notes=self.meaning_notes(self.recipe) + notes,
                        files=_listed(files))
 
     def search(self, files: list[str] | None = None) -> DataSet:
@@ -361,10 +373,12 @@ class _Generated:
 
         def make() -> list[Feed]:
             return [generated_feeds(self.inputs, [s], 0, self.seed + 5000 + i, recipe=self.recipe,
-                                    offset=starts[i] if files is not None else 10_000 + i, files=files)[0]
+                                    offset=starts[i] if files is not None else 10_000 + i, files=files,
+                                    rules=self.rules)[0]
                     for i, s in enumerate(shapes)]
         return DataSet("search", kind, source, {**key, "shapes": shapes, "seed": self.seed + 5000,
-                                                "generator": GENERATOR_VERSION}, make, notes=notes,
+                                                "generator": GENERATOR_VERSION, **self._domain_key()}, make,
+                       notes=self.meaning_notes(self.recipe) + notes,
                        files=_listed(files))
 
     def validation(self, samples: int, seed: int, files: list[str] | None = None, recipe_ok: bool = True) -> DataSet:
@@ -373,6 +387,7 @@ class _Generated:
         kind, source, key = gen._kind_source(files)
         notes = [f"shapes drawn on steps {self.rules.inferred} inferred from the profiles (set model.shape_multiple "
                  "to choose)"] if self.rules.inferred else []
+        notes += self.meaning_notes(recipe)
 
         def make() -> list[Feed]:  # notes: a folder's images, each once, may leave shapes without images
             return generated_feeds(self.inputs, self.profiles, samples, seed, recipe=recipe, rules=self.rules,
@@ -380,6 +395,10 @@ class _Generated:
         return DataSet("validation", kind, source, {**key, "samples": samples, "seed": seed,
                                                     "rules": self.rules.as_dict(), "generator": GENERATOR_VERSION},
                        make, notes=notes, files=_listed(files))
+
+
+def _domain_key_of(rules: ShapeRules) -> dict:
+    return {"domains": {n: d.as_dict() for n, d in sorted(rules.domains.items())}} if rules.domains else {}
 
 
 def _listed(files: list[str] | None) -> list[dict]:

@@ -180,13 +180,56 @@ def check_feed(feed: Feed, inputs: list[TensorInfo], profiles: list[dict], what:
                           fix="resize the data or widen model.profiles")
 
 
-def random_value(t: TensorInfo, shape: list[int], rng: np.random.Generator) -> np.ndarray:
+def random_value(t: TensorInfo, shape: list[int], rng: np.random.Generator, domain: Any = None,
+                 shapes: dict[str, list[int]] | None = None) -> np.ndarray:
+    """Random values for input ``t`` at ``shape``: in its ``domain`` (tasks.graph.meaning.Domain: what the graph shows
+    it means) where known, else standard normal floats and 0/1 integers. ``shapes``: the feed's other inputs' shapes
+    (the full length a length input counts)."""
     dt = NP_DTYPES.get(t.dtype, np.float32)
+    if domain is not None:
+        return _in_domain(domain, dt, shape, rng, shapes or {}, t.name)
     if np.issubdtype(dt, np.floating):
         return rng.standard_normal(shape).astype(dt)
     if dt == np.bool_:
         return rng.integers(0, 2, shape).astype(np.bool_)
     return rng.integers(0, 2, shape).astype(dt)
+
+
+def _in_domain(d: Any, dt: Any, shape: list[int], rng: np.random.Generator, shapes: dict[str, list[int]],
+               name: str) -> np.ndarray:
+    if d.kind == "ids":  # rows of a table, or positions of another input's axis (a graph's edges into its nodes)
+        high = d.high if d.high is not None else _full_length(d, shape, shapes, name)
+        return rng.integers(0, max(1, int(high)), shape).astype(dt)
+    if d.kind == "positive":
+        return np.exp(rng.standard_normal(shape)).astype(dt) if np.issubdtype(dt, np.floating) \
+            else rng.integers(1, 10, shape).astype(dt)
+    if d.kind == "length":
+        full = _full_length(d, shape, shapes, name)
+        n = rng.integers(max(1, -(-full // 2)), full + 1, shape) if shape else np.asarray(full)
+        if n.ndim:
+            n.flat[0] = full  # one sample at the full length
+        return np.asarray(n).astype(dt)
+    # a mask: along its last axis valid from the start, padded at the end (at least one valid position; the first
+    # row of each feed unpadded)
+    if not shape:
+        return np.asarray(d.valid).astype(dt)
+    t = shape[-1]
+    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    lengths = rng.integers(max(1, -(-t // 2)), t + 1, rows)
+    lengths[0] = t
+    valid = (np.arange(t)[None, :] < lengths[:, None]).reshape(shape)
+    keep = valid if d.valid else ~valid
+    return keep.astype(dt)
+
+
+def _full_length(d: Any, shape: list[int], shapes: dict[str, list[int]], name: str) -> int:
+    """The length a length input counts up to (or an index input's bound): the dim the graph names (an RNN's X's
+    time axis, the axis a Range spans), else the smallest non-batch dim of the feed's other inputs (a length no input
+    can hold would be no valid length), else 32."""
+    if d.of and d.of[0] in shapes and len(shapes[d.of[0]]) > d.of[1]:
+        return max(1, int(shapes[d.of[0]][d.of[1]]))
+    dims = [x for n, s in shapes.items() if n != name for x in s[1:]]
+    return max(1, min(dims)) if dims else 32
 
 
 def generated_feeds(inputs: list[TensorInfo], profiles: list[dict], n_random: int, seed: int,
@@ -219,7 +262,7 @@ def generated_feeds(inputs: list[TensorInfo], profiles: list[dict], n_random: in
                     feed[name] = images_batch(recipe, s, rng, start=offset + used, files=pool)
                     used += s[0] if s else 1
                 else:
-                    feed[name] = random_value(by_name[name], s, rng)
+                    feed[name] = random_value(by_name[name], s, rng, rules.domains.get(name), shape)
             feeds.append(feed)
     if dropped and notes is not None:
         notes.append(f"{len(pool) - offset} images of model.images.source={recipe['source']} for this set, each used "
