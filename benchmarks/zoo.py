@@ -350,6 +350,9 @@ def calibration_data(name: str, form: str, folder: Path, samples: int = CALIBRAT
             arrays[k] = file_bytes(full, rng, **{a: int(v) for a, v in recipe[k].items() if a != "kind"}).astype(dtype)
         elif k in recipe and recipe[k].get("kind") == "tokens":  # token ids of a vocabulary (0 .. vocab - 1)
             arrays[k] = rng.integers(0, int(recipe[k]["vocab"]), full).astype(dtype)
+        elif k in recipe and recipe[k].get("kind") == "lognormal":  # a positive scale (a noise level sigma)
+            r = recipe[k]
+            arrays[k] = np.exp(rng.normal(float(r.get("mean", 0.0)), float(r.get("std", 1.0)), full)).astype(dtype)
         elif k in recipe and recipe[k].get("kind") in ("lengths", "index"):
             continue  # after the input it measures
         elif np.issubdtype(np.dtype(dtype), np.floating):
