@@ -27,6 +27,7 @@ CARRY = ("Cast", "CastLike", "Identity", "Unsqueeze", "Squeeze", "Reshape", "Fla
          "Slice", "Tile", "Gather")
 DEPTH = 8  # ops followed from an input
 FILL_MAX = -1e3  # a constant at or below this that an input selects or scales is a masked fill (-1e4, -1e9, -inf)
+FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16}
 INTEGER_TYPES = {onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.INT16, onnx.TensorProto.INT8,
                  onnx.TensorProto.UINT8, onnx.TensorProto.UINT16, onnx.TensorProto.UINT32, onnx.TensorProto.UINT64}
 
@@ -41,6 +42,7 @@ class Domain:
     high: int | None = None  # ids: the rows of the smallest table (exclusive bound); else ``of`` bounds them
     valid: int = 1  # mask: the value that keeps a position (1/True, or 0/False where True pads)
     of: tuple | None = None  # length, ids: (input, axis) whose size bounds the values, when the graph shows it
+    segments: bool = False  # ids that a Scatter sums by (a node's graph): sorted, every id present where room allows
 
     def describe(self, name: str) -> str:
         if self.kind == "ids":
@@ -57,6 +59,7 @@ class Domain:
 
     def as_dict(self) -> dict:
         return {"kind": self.kind, "why": self.why, **({"high": self.high} if self.high is not None else {}),
+                **({"segments": True} if self.segments else {}),
                 **({"valid": self.valid} if self.kind == "mask" else {}), **({"of": list(self.of)} if self.of else {})}
 
 
@@ -76,18 +79,48 @@ def input_domains(model: onnx.ModelProto, names: list[str]) -> dict[str, Domain]
             if value is not None:
                 consts[n.output[0]] = value
     types = {i.name: i.type.tensor_type.elem_type for i in g.input}
-    graph = _Graph(readers, producer, consts, {i.name for i in g.input})
+    graph = _Graph(readers, producer, consts, {i.name for i in g.input}, model)
     out = {}
     for name in names:
-        d = graph.domain(name, types.get(name) in INTEGER_TYPES)
+        d = graph.domain(name, types.get(name) in INTEGER_TYPES, types.get(name) in FLOAT_TYPES)
         if d is not None:
             out[name] = d
     return out
 
 
 class _Graph:
-    def __init__(self, readers, producer, consts, inputs):
+    def __init__(self, readers, producer, consts, inputs, model):
         self.readers, self.producer, self.consts, self.inputs = readers, producer, consts, inputs
+        self.model = model
+        self._dims: dict[str, list] | None = None
+
+    def dims(self, name: str) -> list:
+        """A value's dims (ints, or the symbolic names ONNX shape inference carries from the inputs), [] unknown."""
+        if self._dims is None:
+            self._dims = {}
+            try:
+                m = onnx.shape_inference.infer_shapes(self.model)
+            except Exception:  # noqa: BLE001 - a graph ONNX cannot infer: no bound from its shapes
+                m = self.model
+            for v in (*m.graph.value_info, *m.graph.input, *m.graph.output):
+                self._dims[v.name] = [d.dim_value if d.HasField("dim_value") else d.dim_param
+                                      for d in v.type.tensor_type.shape.dim]
+            self._named = {}  # dim name -> (input, axis)
+            for v in m.graph.input:
+                for i, d in enumerate(v.type.tensor_type.shape.dim):
+                    if d.dim_param:
+                        self._named.setdefault(d.dim_param, (v.name, i))
+        return self._dims.get(name, [])
+
+    def axis_bound(self, name: str, axis: int) -> tuple[int | None, tuple | None]:
+        """(size, None) or (None, (input, axis)) of ``name``'s axis where shape inference knows it, else (None, None)."""
+        dims = self.dims(name)
+        if not -len(dims) <= axis < len(dims):
+            return None, None
+        d = dims[axis]
+        if isinstance(d, int) and d > 0:
+            return d, None
+        return None, self._named.get(d) if d else None
 
     def const(self, name: str) -> np.ndarray | None:
         """The value of a weight or Constant (followed up through Cast/DequantizeLinear/Identity), else None."""
@@ -149,7 +182,7 @@ class _Graph:
             name = p.input[0]
         return None
 
-    def domain(self, name: str, integer: bool) -> Domain | None:
+    def domain(self, name: str, integer: bool, floating: bool = False) -> Domain | None:
         found: dict[str, Domain] = {}
         rows: list[int] = []
         seen = set()
@@ -164,12 +197,17 @@ class _Graph:
                 if op == "Gather" and k == 1 and self.table_rows(n) is not None:
                     rows.append(self.table_rows(n))
                     continue
-                if op == "Gather" and k == 1 and integer and self.source_input(n.input[0]) is not None:
-                    # indices into another input (a graph's edges into its nodes): bounded by that input's size
+                if op in ("Gather", "GatherElements", "ScatterElements", "GatherND", "ScatterND") and k == 1 and integer:
+                    # indices into another value (a graph's edges into its nodes, a node's graph id): bounded by that
+                    # value's axis, where it is an input's or shape inference carries an input's dim to it
+                    axis = 0 if op.endswith("ND") else next((a.i for a in n.attribute if a.name == "axis"), 0)
                     src = self.source_input(n.input[0])
-                    axis = next((a.i for a in n.attribute if a.name == "axis"), 0)
-                    found.setdefault("ids", Domain("ids", f"it indexes input {src[0]!r} on axis {axis}",
-                                                   of=(src[0], axis)))
+                    high, of = (None, (src[0], axis)) if src else self.axis_bound(n.input[0], axis)
+                    if high is not None or of is not None:
+                        what = f"size of {of[0]!r} axis {of[1]}" if of else str(high)
+                        found.setdefault("ids", Domain(
+                            "ids", f"it indexes a value of {what} on axis {axis} ({op} {n.name or ''})".replace(" )", ")"),
+                            high=high, of=of, segments=op.startswith("Scatter")))
                     continue
                 if op == "Where" and k == 0:  # masked_fill(mask, -inf) is Where(mask, -inf, x): True pads
                     keeps = 0 if self.is_fill(n.input[1]) and not self.is_fill(n.input[2]) else 1
@@ -203,10 +241,11 @@ class _Graph:
                     todo.append((n.output[0], depth + 1, flips))
                 elif op == "Not" or op == "Sub" and k == 1 and _is_one(self.const(n.input[0])):
                     todo.append((n.output[0], depth + 1, flips + 1))
-                elif op == "Equal" and _is_zero(self.const(n.input[1 - k])):
+                elif op == "Equal" and not floating and _is_zero(self.const(n.input[1 - k])):
                     todo.append((n.output[0], depth + 1, flips + 1))
-                elif op in ("And", "Or") or op == "Equal" and _is_one(self.const(n.input[1 - k])) or \
-                        op == "Greater" and k == 0 and _is_zero(self.const(n.input[1])):
+                elif op in ("And", "Or") or not floating and (  # a float compared (x > 0) is no mask: a leaky ReLU
+                        op == "Equal" and _is_one(self.const(n.input[1 - k])) or
+                        op == "Greater" and k == 0 and _is_zero(self.const(n.input[1]))):
                     todo.append((n.output[0], depth + 1, flips))
                 elif op == "Mul" and _positive_const(self.const(n.input[1 - k])) or op == "Div" and k == 0 and \
                         _positive_const(self.const(n.input[1])):

@@ -143,3 +143,14 @@ def test_the_data_notes_say_what_was_inferred():
         assert "input_ids: ids in [0, 50), as it indexes an embedding table of 50 rows" in note, note
         assert "mask: masks valid (True) from the start" in note and "selects a Where" in note
     assert s.validation.key["rules"]["domains"]["input_ids"]["high"] == VOCAB  # part of the cache key
+
+
+def test_a_float_compared_with_zero_is_no_mask_and_an_image_keeps_its_noise():
+    """A hand-written leaky ReLU, Where(x > 0, x, 0.1 x), and x / 255: x is an image, not a mask nor positive."""
+    inits = [nh.from_array(np.array(0.0, np.float32), "zero"), nh.from_array(np.array(0.1, np.float32), "slope"),
+             nh.from_array(np.array(255.0, np.float32), "s")]
+    nodes = [oh.make_node("Div", ["x", "s"], ["xs"]), oh.make_node("Greater", ["xs", "zero"], ["pos"]),
+             oh.make_node("Mul", ["xs", "slope"], ["neg"]), oh.make_node("Where", ["pos", "xs", "neg"], ["y"])]
+    m = _model(nodes, [oh.make_tensor_value_info("x", TP.FLOAT, ["n", 3])],
+               [oh.make_tensor_value_info("y", TP.FLOAT, ["n", 3])], inits)
+    assert input_domains(m, ["x"]) == {}
