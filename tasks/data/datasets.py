@@ -342,6 +342,10 @@ class _Generated:
             notes.append(f"calibration has {len(files)} images of model.images.source, one sample each "
                          f"(calibration.samples={samples} asks for more: add images to calibrate on more)")
             samples = len(files)
+        elif files is not None and len(files) > samples:
+            notes.append(f"calibration has {len(files)} images of model.images.source and takes {samples} "
+                         f"(calibration.samples={samples}): {len(files) - samples} are not used (raise "
+                         "calibration.samples to calibrate on them)")
         shapes = calibration_shapes(self.profiles[0], samples, rng, self.rules)
         kind, source, key = self._kind_source(files)
 

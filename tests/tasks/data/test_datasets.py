@@ -99,6 +99,8 @@ def test_an_image_folder_splits_by_file(tmp_path):
     assert s.validation.thin == ["only 2 distinct samples"]
     s = split(recipe=recipe, calibration_samples=16)  # 4 images left to calibrate on: 4 samples, and it says so
     assert s.calibration.samples == s.calibration.distinct == 4 and "calibration.samples=16" in s.calibration.notes[0]
+    s = split(recipe=recipe, calibration_samples=3)  # 4 images left, 3 taken: the one left over is named
+    assert s.calibration.samples == 3 and "1 are not used" in s.calibration.notes[0]
 
 
 def test_samples_repeated_inside_the_data_count_once_and_the_split_says_so():
