@@ -373,6 +373,9 @@ class _Generated:
             if len(kept) < len(shapes):
                 notes.append(f"the accuracy search has {len(files)} images of model.images.source, each used once: "
                              f"{len(shapes) - len(kept)} of its {len(shapes)} shapes got none (add images for more)")
+            elif used < len(files):
+                notes.append(f"the accuracy search's {len(shapes)} shapes take {used} of its {len(files)} images of "
+                             f"model.images.source: {len(files) - used} are not used")
             shapes, starts = [k[0] for k in kept], [k[1] for k in kept]
 
         def make() -> list[Feed]:

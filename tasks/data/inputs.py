@@ -198,8 +198,11 @@ def random_value(t: TensorInfo, shape: list[int], rng: np.random.Generator, doma
 def _in_domain(d: Any, dt: Any, shape: list[int], rng: np.random.Generator, shapes: dict[str, list[int]],
                name: str) -> np.ndarray:
     if d.kind == "ids":  # rows of a table, or positions of another input's axis (a graph's edges into its nodes)
-        high = d.high if d.high is not None else _full_length(d, shape, shapes, name)
-        return rng.integers(0, max(1, int(high)), shape).astype(dt)
+        high = max(1, int(d.high if d.high is not None else _full_length(d, shape, shapes, name)))
+        ids = rng.integers(0, high, shape)
+        if d.segments and ids.size >= high:  # segment ids (a node's graph): sorted, every segment present
+            ids = np.sort(np.concatenate([np.arange(high), ids.ravel()[high:]])).reshape(shape)
+        return ids.astype(dt)
     if d.kind == "positive":
         return np.exp(rng.standard_normal(shape)).astype(dt) if np.issubdtype(dt, np.floating) \
             else rng.integers(1, 10, shape).astype(dt)
@@ -264,6 +267,10 @@ def generated_feeds(inputs: list[TensorInfo], profiles: list[dict], n_random: in
                 else:
                     feed[name] = random_value(by_name[name], s, rng, rules.domains.get(name), shape)
             feeds.append(feed)
+    if pool is not None and each_image_once and notes is not None and offset + used < len(pool):
+        notes.append(f"{len(pool) - offset - used} of the {len(pool) - offset} images of model.images.source="
+                     f"{recipe['source']} for this set are not used by its {len(feeds)} drawn shapes (more draws, "
+                     "e.g. validation.samples, use them)")
     if dropped and notes is not None:
         notes.append(f"{len(pool) - offset} images of model.images.source={recipe['source']} for this set, each used "
                      f"once: {dropped} drawn shapes got fewer images than their batch or none (add images for more)")

@@ -101,6 +101,10 @@ def test_an_image_folder_splits_by_file(tmp_path):
     assert s.calibration.samples == s.calibration.distinct == 4 and "calibration.samples=16" in s.calibration.notes[0]
     s = split(recipe=recipe, calibration_samples=3)  # 4 images left, 3 taken: the one left over is named
     assert s.calibration.samples == 3 and "1 are not used" in s.calibration.notes[0]
+    for i in range(8, 80):
+        Image.fromarray(np.full((8, 8, 3), i, np.uint8)).save(tmp_path / f"img{i}.png")
+    s = split(recipe=recipe, calibration_samples=4, validation_samples=0)  # 80 images: 20 validate, 20 search
+    assert s.validation.samples < 20 and any("are not used by its" in n for n in s.validation.record()["notes"])
 
 
 def test_samples_repeated_inside_the_data_count_once_and_the_split_says_so():
