@@ -353,7 +353,10 @@ def calibration_data(name: str, form: str, folder: Path, samples: int = CALIBRAT
             arrays[k] = file_bytes(full, rng, **{a: int(v) for a, v in recipe[k].items() if a != "kind"}).astype(dtype)
         elif k in recipe and recipe[k].get("kind") == "tokens":  # token ids of a vocabulary (0 .. vocab - 1)
             arrays[k] = rng.integers(0, int(recipe[k]["vocab"]), full).astype(dtype)
-        elif k in recipe and recipe[k].get("kind") == "lengths":
+        elif k in recipe and recipe[k].get("kind") == "lognormal":  # a positive scale (a noise level sigma)
+            r = recipe[k]
+            arrays[k] = np.exp(rng.normal(float(r.get("mean", 0.0)), float(r.get("std", 1.0)), full)).astype(dtype)
+        elif k in recipe and recipe[k].get("kind") in ("lengths", "index"):
             continue  # after the input it measures
         elif np.issubdtype(np.dtype(dtype), np.floating):
             arrays[k] = rng.standard_normal(full).astype(dtype)
@@ -366,6 +369,15 @@ def calibration_data(name: str, form: str, folder: Path, samples: int = CALIBRAT
             size = arrays[r["of"]].shape[-1]
             full = list(arrays[r["of"]].shape[:-1])
             arrays[k] = rng.integers(size // 2, size + 1, full).astype(specs[k][0])
+        if r.get("kind") == "index" and k in specs:  # positions along another input's first axis (a graph's nodes)
+            size = specs[r["of"]][1][0]
+            full = [stacks, *specs[k][1]] if form == "stacked" else [samples, *specs[k][1][1:]]
+            ids = rng.integers(0, size, full)
+            if r.get("sorted"):  # segment ids (each node's molecule): sorted, every segment present
+                ids = np.sort(ids, axis=-1)
+                ids[..., :size] = np.arange(size) if ids.shape[-1] >= size else ids[..., :size]
+                ids = np.sort(ids, axis=-1)
+            arrays[k] = ids.astype(specs[k][0])
     path = folder / f"{name}.{purpose}.{form}.npz"
     np.savez(path, **arrays)
     return path

@@ -278,15 +278,14 @@ def shapes_of(cfg: DictConfig, model: Any, inputs: list, search: list[Path]) -> 
 def data_of(cfg: DictConfig, inputs: list, profiles: list, rules: Any, calibrates: bool) -> tuple[Any, dict]:
     """The user's data read and checked against the model, and the disjoint calibration / search / validation sets;
     (the split, the user's data by config key)."""
-    from tasks.data import MAX_SEARCH, MAX_VALIDATION, as_user_data, load_data, split_data
+    from tasks.data import as_user_data, load_data, split_data
 
     m, p, cal = cfg.model, cfg.precision, cfg.calibration
     user = {}
     for key in ("calibration.data", "validation.data"):
         path = OmegaConf.select(cfg, key)
-        if path:  # calibration.data: enough for the calibration samples and the held-out sets
-            limit = cal.samples + MAX_SEARCH + MAX_VALIDATION if key == "calibration.data" else None
-            user[key] = as_user_data(key, load_data(path, inputs, profiles, key, limit=limit, rules=rules))
+        if path:  # all of it: the held-out shares are of every sample (the split says what it leaves unused)
+            user[key] = as_user_data(key, load_data(path, inputs, profiles, key, rules=rules))
     data = split_data(inputs=inputs, profiles=profiles, rules=rules, calibrate=calibrates,
                       search=(calibrates or p.name == "fp16") and bool(cal.search), validate=bool(cfg.stages.validate),
                       calibration_data=user.get("calibration.data"), validation_data=user.get("validation.data"),

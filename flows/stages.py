@@ -235,7 +235,7 @@ def _calibrate(ctx: BuildContext) -> StageResult:
     segs, plan, model = trt_segments(ctx), ctx.results["partition"].details, ctx.results["export"].files["onnx"]
     # the margin grows when few samples judge the search (held-out and calibration samples,
     # tasks.accuracy.budget.judged_samples)
-    judged = judged_samples(held.samples if held else 0, cal.samples)
+    judged = judged_samples(held.distinct if held else 0, cal.distinct)
     goal = search_goal(ctx, segs, judged) if c.search else None
     target = goal.target if goal is not None else None
     q_parts = key_parts(ctx, "calibrate-qdq", segments=[sha256_file(s["onnx"]) for s in segs], calibration=cal.key,
@@ -418,7 +418,8 @@ def benchmark(ctx: BuildContext) -> StageResult:
     cache = runtime_cache_file(ctx.cfg.cache_dir, ctx.cfg.target.name, ctx.backend.version)
 
     def work(d: Path) -> StageResult:  # the input is made here: a cached timing needs none
-        feed = generated_feeds(ctx.inputs.inputs, [opt], 0, ctx.cfg.seed, recipe=ctx.c("model.images"))[0]
+        feed = generated_feeds(ctx.inputs.inputs, [opt], 0, ctx.cfg.seed, recipe=ctx.c("model.images"),
+                               each_image_once=False)[0]
         timing = None
         if gpu:  # engines on the GPU; a hybrid model end to end (engines + native segments + copies)
             with contextlib.ExitStack() as runners:

@@ -51,7 +51,10 @@ def split_data(*, inputs: list[TensorInfo], profiles: list[dict], rules: ShapeRu
     if calibration_data is not None and validation_data is not None:
         _refuse_overlap(calibration_data, validation_data, profiles)
     if validate and validation_data is not None:
-        split.validation = _from_user(validation_data, "validation", validation_data.feeds, inputs, profiles)
+        notes: list[str] = []
+        units = _distinct_units(validation_data, profiles, notes)
+        feeds = validation_data.feeds if not notes else _batches(units, inputs, profiles)
+        split.validation = _from_user(validation_data, "validation", feeds, inputs, profiles, notes=notes)
 
     if calibrate and calibration_data is not None:
         _hold_out_of_user_data(split, calibration_data, inputs, profiles, search, validate, calibration_samples, seed)
@@ -70,8 +73,10 @@ def split_data(*, inputs: list[TensorInfo], profiles: list[dict], rules: ShapeRu
 
     if validate and split.validation is None:
         if not calibrate and calibration_data is not None:
-            split.validation = _from_user(calibration_data, "validation", calibration_data.feeds, inputs, profiles,
-                                          notes=["the build does not calibrate: the calibration data validates it"])
+            notes = ["the build does not calibrate: the calibration data validates it"]
+            units = _distinct_units(calibration_data, profiles, notes)
+            feeds = calibration_data.feeds if len(notes) == 1 else _batches(units, inputs, profiles)
+            split.validation = _from_user(calibration_data, "validation", feeds, inputs, profiles, notes=notes)
         else:  # the images recipe, unless calibration took every image of its folder; else random inputs
             used_up = calibrate and calibration_data is None and gen.image_files() is not None
             split.validation = gen.validation(validation_samples, validation_seed, recipe_ok=not used_up)
@@ -85,7 +90,7 @@ def _hold_out_of_user_data(split: DataSplit, calibration_data: UserData, inputs:
                            seed: int) -> None:
     """A build that calibrates on the user's data: its samples held out for validation and the search, the rest
     calibrates; the notes say what is too few to hold out."""
-    units = _units(calibration_data.feeds, profiles)
+    units = _distinct_units(calibration_data, profiles, split.notes)
     order = list(np.random.default_rng(seed).permutation(len(units)))
     n = len(units)
     n_val = min(MAX_VALIDATION, math.ceil(n * HOLD_OUT_SHARE)) if validate and split.validation is None else 0
@@ -97,8 +102,13 @@ def _hold_out_of_user_data(split: DataSplit, calibration_data: UserData, inputs:
     val_idx, search_idx = order[:n_val], order[n_val:n_val + n_search]
     cal_idx = order[n_val + n_search:]
     cal_units = _cap([units[i] for i in sorted(cal_idx)], calibration_samples)
+    unread = len(cal_idx) - len(cal_units)
     split.calibration = _from_user(calibration_data, "calibration", _batches(cal_units, inputs, profiles),
-                                   inputs, profiles, held=(n_val, n_search))
+                                   inputs, profiles, held=(n_val, n_search), notes=[
+                                       f"calibration.data holds {n} distinct samples: {n_val} validate, {n_search} "
+                                       f"judge the accuracy search, {len(cal_units)} calibrate and {unread} are not "
+                                       f"used (calibration.samples={calibration_samples}: raise it to calibrate on "
+                                       "them)"] if unread else None)
     if n_search:
         split.search = _from_user(calibration_data, "search", _batches([units[i] for i in sorted(search_idx)],
                                                                          inputs, profiles), inputs, profiles)
@@ -143,10 +153,8 @@ def _search_of_user_data(split: DataSplit, calibration_data: UserData, gen: "_Ge
                          profiles: list[dict], validate: bool, seed: int) -> None:
     """A build that does not calibrate but searches (fp16), on the user's data (``calibration_data``: calibration.data,
     or validation.data when that is all the user gave): the search's samples held out, the rest validates unless
-    validation has data of its own. A search on generated inputs beside a validation on the user's data judged noise
-    while validate judged audio: Basic Pitch's search met 0.99995 on random values, then every output of its quiet
-    validation clips was NaN."""
-    units = _units(calibration_data.feeds, profiles)
+    validation has data of its own. The search judges the data validate judges, not generated values beside it."""
+    units = _distinct_units(calibration_data, profiles, split.notes)
     n = len(units)
     order = list(np.random.default_rng(seed).permutation(n))
     own_validation = not validate or split.validation is not None
@@ -207,6 +215,22 @@ def _units(feeds: list[Feed], profiles: list[dict]) -> list[tuple[Feed, bool]]:
             continue
         out += [({k: (a[i:i + lo] if a.ndim > 0 else a) for k, a in f.items()}, True) for i in range(0, b, lo)]
     return out
+
+
+def _distinct_units(data: UserData, profiles: list[dict], notes: list[str]) -> list[tuple[Feed, bool]]:
+    """The user's samples, each once: a sample repeated inside the data (the same array saved twice, a file copied)
+    would count as new evidence where it is none; the note says how many repeats were dropped."""
+    units, seen = [], set()
+    all_units = _units(data.feeds, profiles)
+    for u in all_units:
+        d = _digest(u[0])
+        if d not in seen:
+            seen.add(d)
+            units.append(u)
+    if len(units) < len(all_units):
+        notes.append(f"{data.key}={data.path!r} holds {len(all_units)} samples of which {len(units)} are distinct: "
+                     f"{len(all_units) - len(units)} repeats are not used (each sample counts once)")
+    return units
 
 
 def _min_batch(feed: Feed, profiles: list[dict]) -> int | None:
@@ -300,6 +324,17 @@ class _Generated:
             return None
         return [str(f) for f in list_images(src, "model.images.source")]
 
+    def _domain_key(self) -> dict:
+        return _domain_key_of(self.rules)
+
+    def meaning_notes(self, recipe: dict | None) -> list[str]:
+        """What the random inputs of a generated set were drawn as, where the graph shows what they mean."""
+        drawn = {n: d for n, d in self.rules.domains.items() if recipe is None or n != recipe.get("input")}
+        if not drawn:
+            return []
+        return ["random inputs drawn in the domain the graph shows: " +
+                "; ".join(d.describe(n) for n, d in sorted(drawn.items()))]
+
     def _kind_source(self, files: list[str] | None) -> tuple[str, str, dict]:
         if self.recipe is None:
             return "random", "random inputs inside the profiles", {}
@@ -314,14 +349,25 @@ class _Generated:
 
     def calibration(self, samples: int, files: list[str] | None = None) -> DataSet:
         rng = np.random.default_rng(self.seed + 1000)
+        notes = []
+        if files is not None and len(files) < samples:  # one image per sample, each once
+            notes.append(f"calibration has {len(files)} images of model.images.source, one sample each "
+                         f"(calibration.samples={samples} asks for more: add images to calibrate on more)")
+            samples = len(files)
+        elif files is not None and len(files) > samples:
+            notes.append(f"calibration has {len(files)} images of model.images.source and takes {samples} "
+                         f"(calibration.samples={samples}): {len(files) - samples} are not used (raise "
+                         "calibration.samples to calibrate on them)")
         shapes = calibration_shapes(self.profiles[0], samples, rng, self.rules)
         kind, source, key = self._kind_source(files)
 
         def make() -> list[Feed]:
             return [generated_feeds(self.inputs, [s], 0, self.seed + 1000 + i, recipe=self.recipe, offset=i,
-                                    files=files)[0] for i, s in enumerate(shapes)]
+                                    files=files, rules=self.rules)[0] for i, s in enumerate(shapes)]
         return DataSet("calibration", kind, source, {**key, "shapes": shapes, "seed": self.seed + 1000,
-                                                     "generator": GENERATOR_VERSION}, make, files=_listed(files))
+                                                     "generator": GENERATOR_VERSION, **self._domain_key()}, make,
+                       notes=self.meaning_notes(self.recipe) + notes,
+                       files=_listed(files))
 
     def search(self, files: list[str] | None = None, judged: DataSet | None = None) -> DataSet:
         """The search's held-out set: the first profile's shapes as ``heldout_shapes`` draws them, every other
@@ -331,16 +377,35 @@ class _Generated:
         shapes = heldout_shapes(self.profiles[0], SEARCH_RANDOM_SHAPES, rng, self.rules)
         shapes += [_fixed({n: r[w] for n, r in p.items()}) for p in self.profiles[1:] for w in ("min", "opt", "max")]
         kind, source, key = self._kind_source(files)
+        starts = [0] * len(shapes)
+        notes = []
+        if files is not None:  # a folder's images, each once: the shapes its images cover
+            kept, used, name = [], 0, self.recipe["input"]
+            for sh in shapes:
+                n = sh[name]["opt"][0] if name in sh and sh[name]["opt"] else 1
+                if used + n <= len(files):
+                    kept.append((sh, used))
+                    used += n
+            if len(kept) < len(shapes):
+                notes.append(f"the accuracy search has {len(files)} images of model.images.source, each used once: "
+                             f"{len(shapes) - len(kept)} of its {len(shapes)} shapes got none (add images for more)")
+            elif used < len(files):
+                notes.append(f"the accuracy search's {len(shapes)} shapes take {used} of its {len(files)} images of "
+                             f"model.images.source: {len(files) - used} are not used")
+            shapes, starts = [k[0] for k in kept], [k[1] for k in kept]
 
         def make() -> list[Feed]:
-            drawn = [_fixed(s) for s in _distinct_shapes(judged.feeds)] if judged is not None else []
+            # validate's other shapes are added to generated values only: a folder's images go once each to the shapes above
+            drawn = [_fixed(s) for s in _distinct_shapes(judged.feeds)] if judged is not None and files is None else []
             every = shapes + [s for s in drawn if s not in shapes]
             return [generated_feeds(self.inputs, [s], 0, self.seed + 5000 + i, recipe=self.recipe,
-                                    offset=10_000 + i, files=files)[0] for i, s in enumerate(every)]
+                                    offset=(starts[i] if files is not None and i < len(starts) else 10_000 + i),
+                                    files=files, rules=self.rules)[0]
+                    for i, s in enumerate(every)]
         return DataSet("search", kind, source, {**key, "shapes": shapes, "seed": self.seed + 5000,
-                                                "generator": GENERATOR_VERSION,
+                                                "generator": GENERATOR_VERSION, **self._domain_key(),
                                                 **({"judged": judged.key} if judged is not None else {})},
-                       make, files=_listed(files))
+                       make, notes=self.meaning_notes(self.recipe) + notes, files=_listed(files))
 
     def validation(self, samples: int, seed: int, files: list[str] | None = None, recipe_ok: bool = True) -> DataSet:
         recipe = self.recipe if recipe_ok else None
@@ -348,10 +413,11 @@ class _Generated:
         kind, source, key = gen._kind_source(files)
         notes = [f"shapes drawn on steps {self.rules.inferred} inferred from the profiles (set model.shape_multiple "
                  "to choose)"] if self.rules.inferred else []
+        notes += self.meaning_notes(recipe)
 
-        def make() -> list[Feed]:
+        def make() -> list[Feed]:  # notes: a folder's images, each once, may leave shapes without images
             return generated_feeds(self.inputs, self.profiles, samples, seed, recipe=recipe, rules=self.rules,
-                                   offset=20_000, files=files)
+                                   files=files, notes=notes)
         return DataSet("validation", kind, source, {**key, "samples": samples, "seed": seed,
                                                     "rules": self.rules.as_dict(), "generator": GENERATOR_VERSION},
                        make, notes=notes, files=_listed(files))
@@ -370,6 +436,10 @@ def _distinct_shapes(feeds: list[Feed]) -> list[dict[str, list[int]]]:
         if s not in out:
             out.append(s)
     return out
+
+
+def _domain_key_of(rules: ShapeRules) -> dict:
+    return {"domains": {n: d.as_dict() for n, d in sorted(rules.domains.items())}} if rules.domains else {}
 
 
 def _listed(files: list[str] | None) -> list[dict]:

@@ -10,7 +10,7 @@ import numpy as np
 from tasks.common.errors import ConfigError
 from tasks.graph.models import TensorInfo
 from tasks.data.profiles import ShapeRules, named_ties, shapes_in_profile
-from tasks.data.samples import images_batch
+from tasks.data.samples import images_batch, list_images
 from tasks.common.util import sha256_file
 
 Feed = dict[str, np.ndarray]
@@ -54,6 +54,7 @@ def load_data(path: str, inputs: list[TensorInfo], profiles: list[dict], key: st
     samples along axis 0 and are split into batches that fit a profile; arrays with one more leading axis are a
     stack of batches. `limit` caps the number of samples; dims the model ties (rules) must agree."""
     names = [t.name for t in inputs]
+    rules = rules or ShapeRules(named_ties(inputs))
     feeds: list[Feed] = []
     files = []
     for f in data_files(path, key):
@@ -121,11 +122,8 @@ def split_batches(arrays: dict[str, np.ndarray], inputs: list[TensorInfo], profi
             continue
         lo = max(p[n]["min"][0] for n in batched)
         hi = min(p[n]["max"][0] for n in batched)
-        if len(set(counts.values())) != 1:
-            if all(lo <= c <= hi for c in counts.values()):
-                return [dict(arrays)]
-            raise ConfigError(f"{what}: the arrays hold different numbers of samples on axis 0 {counts}",
-                              fix="give every input the same number of samples")
+        if len(set(counts.values())) != 1:  # axis 0 is no batch axis (a graph's nodes and edges): one sample,
+            return [dict(arrays)]  # whose dims check_feed holds against the model's ties and the profiles
         if lo > hi:
             continue
         b = min(max(p[batched[0]]["opt"][0], lo), hi)
@@ -136,8 +134,10 @@ def split_batches(arrays: dict[str, np.ndarray], inputs: list[TensorInfo], profi
 
 
 def batch_size(feed: Feed) -> int:
-    a = next((a for a in feed.values() if a.ndim > 0), None)
-    return int(a.shape[0]) if a is not None else 1
+    """The samples in a feed: the length of axis 0 where every input shares it, else 1 (a feed whose inputs do not
+    share axis 0, e.g. a graph's nodes [N, F] beside its edges [2, E], is one sample)."""
+    lengths = {int(a.shape[0]) for a in feed.values() if a.ndim > 0}
+    return lengths.pop() if len(lengths) == 1 else 1
 
 
 def _cap(feeds: list[Feed], limit: int) -> list[Feed]:
@@ -180,8 +180,14 @@ def check_feed(feed: Feed, inputs: list[TensorInfo], profiles: list[dict], what:
                           fix="resize the data or widen model.profiles")
 
 
-def random_value(t: TensorInfo, shape: list[int], rng: np.random.Generator) -> np.ndarray:
+def random_value(t: TensorInfo, shape: list[int], rng: np.random.Generator, domain: Any = None,
+                 shapes: dict[str, list[int]] | None = None) -> np.ndarray:
+    """Random values for input ``t`` at ``shape``: in its ``domain`` (tasks.graph.meaning.Domain: what the graph shows
+    it means) where known, else standard normal floats and 0/1 integers. ``shapes``: the feed's other inputs' shapes
+    (the full length a length input counts)."""
     dt = NP_DTYPES.get(t.dtype, np.float32)
+    if domain is not None:
+        return _in_domain(domain, dt, shape, rng, shapes or {}, t.name)
     if np.issubdtype(dt, np.floating):
         return rng.standard_normal(shape).astype(dt)
     if dt == np.bool_:
@@ -189,26 +195,93 @@ def random_value(t: TensorInfo, shape: list[int], rng: np.random.Generator) -> n
     return rng.integers(0, 2, shape).astype(dt)
 
 
+def _in_domain(d: Any, dt: Any, shape: list[int], rng: np.random.Generator, shapes: dict[str, list[int]],
+               name: str) -> np.ndarray:
+    if d.kind == "ids":  # rows of a table, or positions of another input's axis (a graph's edges into its nodes)
+        high = max(1, int(d.high if d.high is not None else _full_length(d, shape, shapes, name)))
+        ids = rng.integers(0, high, shape)
+        if d.segments and ids.size >= high:  # segment ids (a node's graph): sorted, every segment present
+            ids = np.sort(np.concatenate([np.arange(high), ids.ravel()[high:]])).reshape(shape)
+        return ids.astype(dt)
+    if d.kind == "positive":
+        return np.exp(rng.standard_normal(shape)).astype(dt) if np.issubdtype(dt, np.floating) \
+            else rng.integers(1, 10, shape).astype(dt)
+    if d.kind == "length":
+        full = _full_length(d, shape, shapes, name)
+        n = rng.integers(max(1, -(-full // 2)), full + 1, shape) if shape else np.asarray(full)
+        if n.ndim:
+            n.flat[0] = full  # one sample at the full length
+        return np.asarray(n).astype(dt)
+    # a mask: along its last axis valid from the start, padded at the end (at least one valid position; the first
+    # row of each feed unpadded)
+    if not shape:
+        return np.asarray(d.valid).astype(dt)
+    t = shape[-1]
+    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    lengths = rng.integers(max(1, -(-t // 2)), t + 1, rows)
+    lengths[0] = t
+    valid = (np.arange(t)[None, :] < lengths[:, None]).reshape(shape)
+    keep = valid if d.valid else ~valid
+    return keep.astype(dt)
+
+
+def _full_length(d: Any, shape: list[int], shapes: dict[str, list[int]], name: str) -> int:
+    """The length a length input counts up to (or an index input's bound): the dim the graph names (an RNN's X's
+    time axis, the axis a Range spans), else the smallest non-batch dim of the feed's other inputs (a length no input
+    can hold would be no valid length), else 32."""
+    if d.of and d.of[0] in shapes and len(shapes[d.of[0]]) > d.of[1]:
+        return max(1, int(shapes[d.of[0]][d.of[1]]))
+    dims = [x for n, s in shapes.items() if n != name for x in s[1:]]
+    return max(1, min(dims)) if dims else 32
+
+
 def generated_feeds(inputs: list[TensorInfo], profiles: list[dict], n_random: int, seed: int,
                     recipe: Any | None = None, offset: int = 0, multiples: dict | None = None,
-                    rules: ShapeRules | None = None, files: list | None = None) -> list[Feed]:
+                    rules: ShapeRules | None = None, files: list | None = None,
+                    notes: list[str] | None = None, each_image_once: bool = True) -> list[Feed]:
     """Feeds at min, opt, max (and n_random random shapes between, each a new draw even where the shape repeats) of
-    each profile: images where a recipe says so (from `files` of its folder when given), else noise. Tied dims (rules;
-    by default the inputs' shared dim names) get one value, each dim on its step."""
+    each profile: images where a recipe says so, else noise. Tied dims (rules; by default the inputs' shared dim names)
+    get one value, each dim on its step. A folder's images (``files`` of it when given) are read in turn from
+    ``offset``, each at most once in a set: a shape left without images is dropped (and ``notes`` say so), as a
+    repeated image would count as new evidence where it is none (``each_image_once=False``: in turn, repeating, for
+    an input that is only timed)."""
     rng = np.random.default_rng(seed)
     rules = rules or ShapeRules(named_ties(inputs), dict(multiples or {}))
     by_name = {t.name: t for t in inputs}
-    feeds = []
+    pool = folder_images(recipe, files)
+    feeds, used, dropped = [], 0, 0
     for prof in profiles:
         for shape in shapes_in_profile(prof, n_random, rng, rules):
+            if pool is not None and each_image_once and recipe["input"] in shape:  # each image once in a set
+                n, left = shape[recipe["input"]][0], len(pool) - offset - used
+                if n > left:  # the images left, as a smaller batch where the profile allows one
+                    dropped += 1
+                    if left < max(1, prof[recipe["input"]]["min"][0]):
+                        continue
+                    shape = {k: [left, *d[1:]] if d and d[0] == n else d for k, d in shape.items()}
             feed = {}
             for name, s in shape.items():
                 if recipe is not None and name == recipe["input"]:
-                    feed[name] = images_batch(recipe, s, rng, start=offset + len(feeds), files=files)
+                    feed[name] = images_batch(recipe, s, rng, start=offset + used, files=pool)
+                    used += s[0] if s else 1
                 else:
-                    feed[name] = random_value(by_name[name], s, rng)
+                    feed[name] = random_value(by_name[name], s, rng, rules.domains.get(name), shape)
             feeds.append(feed)
+    if pool is not None and each_image_once and notes is not None and offset + used < len(pool):
+        notes.append(f"{len(pool) - offset - used} of the {len(pool) - offset} images of model.images.source="
+                     f"{recipe['source']} for this set are not used by its {len(feeds)} drawn shapes (more draws, "
+                     "e.g. validation.samples, use them)")
+    if dropped and notes is not None:
+        notes.append(f"{len(pool) - offset} images of model.images.source={recipe['source']} for this set, each used "
+                     f"once: {dropped} drawn shapes got fewer images than their batch or none (add images for more)")
     return feeds
+
+
+def folder_images(recipe: Any | None, files: list | None = None) -> list | None:
+    """The images a recipe draws from a folder (``files`` of it when given), or None (no recipe, synthetic pages)."""
+    if recipe is None or str(recipe["source"]).startswith("synthetic:"):
+        return None
+    return list(files) if files else list_images(str(recipe["source"]), "model.images.source")
 
 
 def _fixed(shape: dict[str, list[int]]) -> dict:

@@ -108,6 +108,7 @@ class ShapeRules:
     multiples: dict[str, list[int]] = field(default_factory=dict)
     inferred: dict[str, list[int]] = field(default_factory=dict)
     traffic: Any = None  # tasks.data.traffic.TrafficDraws: random shapes are drawn from the traffic's mix, weighted
+    domains: dict = field(default_factory=dict)  # {input: tasks.graph.meaning.Domain}: what random values mean
 
     def __post_init__(self) -> None:
         self._parent: dict[Dim, Dim] = {}
@@ -138,7 +139,8 @@ class ShapeRules:
     def as_dict(self) -> dict:
         return {"ties": [{"a": list(t.a), "b": list(t.b), "why": t.why, "kind": t.kind} for t in self.ties],
                 "multiples": self.multiples, "inferred_multiples": self.inferred,
-                **({"traffic": self.traffic.as_dict()} if self.traffic is not None else {})}
+                **({"traffic": self.traffic.as_dict()} if self.traffic is not None else {}),
+                **({"domains": {n: d.as_dict() for n, d in sorted(self.domains.items())}} if self.domains else {})}
 
 
 def named_ties(inputs: list[TensorInfo]) -> list[DimTie]:
@@ -290,7 +292,11 @@ def shape_rules(inputs: list[TensorInfo], profiles: list[Profile], model=None,
     check_ties(profiles, hard, key)
     given = check_multiples(multiples or {}, inputs)
     inferred = infer_multiples(profiles, given)
-    return ShapeRules(hard + profile_ties(profiles, inputs), {**given, **inferred}, inferred)
+    domains = {}
+    if model is not None:  # what the graph shows the inputs mean (ids, masks, lengths, positive values)
+        from tasks.graph.meaning import input_domains
+        domains = input_domains(model, [t.name for t in inputs])
+    return ShapeRules(hard + profile_ties(profiles, inputs), {**given, **inferred}, inferred, domains=domains)
 
 
 def _draw(lo: int, hi: int, step: int, rng: np.random.Generator) -> int:

@@ -11,7 +11,7 @@ from tasks.common.errors import ConfigError
 WORDS = ("TensorRT engine build calibrate validate benchmark export partition model target precision profile "
          "invoice total amount date 2026 receipt page number order shipping address quantity price tax "
          "the quick brown fox jumps over lazy dog 0123456789 ABCDEFGHIJKLMNOPQRSTUVWXYZ").split()
-GENERATOR_VERSION = 2  # part of cache keys: bump when synthetic images change
+GENERATOR_VERSION = 3  # part of cache keys: bump when generated sets change (3: a folder's images once per set)
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp"}
 
 
@@ -86,7 +86,7 @@ def preprocess(images: list[np.ndarray], recipe: Any) -> np.ndarray:
 def images_batch(recipe: Any, shape: list[int], rng: np.random.Generator, start: int = 0,
                  files: list | None = None) -> np.ndarray:
     """A batch for one input of the given shape (N,C,H,W or N,H,W,C), images drawn from the recipe's source (a
-    folder: its images in turn from `start`, or only `files` of it)."""
+    folder: its images in turn from ``start``, of ``files`` when given)."""
     nchw = str(recipe["layout"]).upper() == "NCHW"
     n, h, w = (shape[0], shape[2], shape[3]) if nchw else (shape[0], shape[1], shape[2])
     src = str(recipe["source"])

@@ -41,6 +41,13 @@ class DataSet:
     def samples(self) -> int:
         return self._known["samples"] if self._feeds is None and self._known else sum(batch_size(f) for f in self.feeds)
 
+    @property
+    def distinct(self) -> int:
+        """Samples whose content differs (hashed): the evidence a verdict on this set rests on."""
+        if self._feeds is None and self._known:
+            return self._known.get("distinct", self._known["samples"])
+        return distinct_samples(self.feeds)
+
     def fingerprint(self) -> str:
         """What the content depends on, hashed (the key names it whole: seeds, shapes, generator, files' sha256)."""
         return hashlib.sha256(json.dumps([self.purpose, self.key], sort_keys=True, default=str).encode()).hexdigest()
@@ -58,15 +65,17 @@ class DataSet:
         if self.kind == "random":
             why.append("random inputs inside the profiles: the verdict says nothing about real inputs "
                        "(give validation.data, calibration.data or model.images)")
-        if self.samples < MIN_EVIDENCE:
-            why.append(f"only {self.samples} samples")
+        n = self.distinct
+        if n < MIN_EVIDENCE:
+            why.append(f"only {n} distinct samples" + (f" (of {self.samples})" if n < self.samples else ""))
         return why
 
     def record(self) -> dict:
         if self._feeds is None and self._known is not None:
             return self._known
         rec = DataRecord.of(self.feeds, self.kind, files=self.files, notes=list(self.notes))
-        return {"samples": rec.samples, "feeds": rec.feeds, "source": self.source, "kind": self.kind,
+        return {"samples": rec.samples, "distinct": distinct_samples(self.feeds), "feeds": rec.feeds,
+                "source": self.source, "kind": self.kind,
                 "shapes": rec.shapes, **({"files": self.files} if self.files else {}),
                 **({"notes": self.notes} if self.notes else {})}
 
@@ -104,6 +113,26 @@ class UserData:
     feeds: list[Feed]
     files: list[dict]
 
+
+
+def sample_digests(feed: Feed) -> list[str]:
+    """One hash per sample of a feed (its slices along axis 0 where every input shares it, else the whole feed)."""
+    b = batch_size(feed)
+    shared = b > 1 or all(a.ndim > 0 and a.shape[0] == 1 for a in feed.values())
+    out = []
+    for i in range(b):
+        h = hashlib.sha256()
+        for k in sorted(feed):
+            a = np.ascontiguousarray(feed[k][i] if shared and feed[k].ndim > 0 else feed[k])
+            h.update(f"{k}|{a.dtype.str}|{a.shape}|".encode())
+            h.update(a.tobytes())
+        out.append(h.hexdigest())
+    return out
+
+
+def distinct_samples(feeds: list[Feed]) -> int:
+    """How many samples of ``feeds`` differ in content (a repeated sample is no new evidence)."""
+    return len({d for f in feeds for d in sample_digests(f)})
 
 
 def describe_thin(s: DataSet | None) -> str | None:

@@ -36,6 +36,15 @@ AMPLIFIERS = {"Sqrt": 0, "Reciprocal": 0, "Log": 0, "Div": 1, "Pow": 0}
 PASS_THROUGH = ("Max", "Min", "Add", "Mul", "Reshape", "Expand", "Squeeze", "Unsqueeze", "Cast", "Identity",
                 "Transpose", "Abs", "Relu", "Clip")
 AMPLIFIER_DEPTH = 6
+# A masked fill (Where(mask, x, -inf), scores + (1 - mask) * -1e9) writes -inf or a large negative number where a
+# position is padded, for the Softmax (or Exp) it reaches to zero out: fp16 zeroes it alike (its -inf, or -65504 after
+# the fill constant's own fp32 node), so those elements are no reason to keep a node fp32. A value that reaches one
+# within FILL_DEPTH ops through FILL_PATH ops is judged on its other elements when its out-of-range ones are all
+# negative (one-sided: a fill, not an overflow) and none is NaN.
+FILL_SINKS = ("Softmax", "LogSoftmax", "Exp")
+FILL_PATH = ("Add", "Sub", "Where", "Mul", "Div", "Reshape", "Expand", "Squeeze", "Unsqueeze", "Cast", "Identity",
+             "Transpose", "Slice", "Concat", "Max", "Min")
+FILL_DEPTH = 6
 CANCEL_DEPTH = 12  # how far up the two operands' producers are followed to the value they share
 CANCEL_CONE_MAX = 24  # a cone larger than this keeps only the subtraction and its operands' producers fp32
 
@@ -76,9 +85,10 @@ def fp16_hazards_from_data(model: onnx.ModelProto, feeds: list[dict[str, np.ndar
     tiny: dict[str, float] = {}  # value -> fp16's error from its elements below the normal range (the worst feed)
     whole: dict[int, list[float]] = {}  # subtraction -> [sum |a|^2 + |b|^2 (broadcast), sum |result|^2] over the feeds
     spread: dict[int, list[np.ndarray]] = {}  # amplified subtraction -> its elements' fp16 relative errors
+    fills = _before_softmax(g)
     for feed in feeds[:RANGE_FEEDS]:
         held = _values_on(sess, names, feed)
-        bad = _record_extremes(held, peak, tiny, underflow)
+        bad = _record_extremes(held, peak, tiny, underflow, fills, data_max)
         _record_cancellations(held, consts, subtractions, amplified, bad, whole, spread)
     over = {n: v for n, v in peak.items() if not v <= data_max}
     cancel = _cancelled_values(g, subtractions, whole, spread, set(floats))
@@ -120,21 +130,25 @@ def _values_on(sess, names: list[str], feed: dict[str, np.ndarray]) -> dict[str,
 
 
 def _record_extremes(held: dict[str, np.ndarray], peak: dict[str, float], tiny: dict[str, float],
-                     underflow: bool) -> set[str]:
+                     underflow: bool, fills: set[str] = frozenset(), data_max: float = DATA_MAX) -> set[str]:
     """Raise ``peak`` (value -> max |value|, inf when not finite) and, with ``underflow``, ``tiny`` (value -> fp16's
     error below its normal range, where above UNDERFLOW_MAX) to this feed's ``held`` values; returns the values not
-    finite in this feed."""
+    finite in this feed. A value in ``fills`` (it reaches a Softmax: FILL_SINKS) whose elements beyond ``data_max``
+    are all negative fills is measured on its other elements."""
     bad = set()  # values not finite in this feed
     for name, value in held.items():  # graph inputs too: their readers
         a = np.asarray(value)
         if a.dtype.kind != "f" or a.size == 0:
             continue
         top = max(float(a.max()), -float(a.min()))  # |x|'s max without a copy; NaN and inf propagate
+        if not np.isfinite(top):
+            bad.add(name)
+        if name in fills and not top <= data_max and float(a.max()) <= data_max:  # a masked fill, no NaN, no +big
+            rest = a[a > -data_max]
+            top = max(float(rest.max()), -float(rest.min())) if rest.size else 0.0
         top = top if np.isfinite(top) else float("inf")
         peak[name] = max(peak.get(name, 0.0), top)
-        if top == float("inf"):
-            bad.add(name)
-        elif underflow and top > 0:
+        if top < float("inf") and underflow and top > 0:
             lost = _underflow_error(a)
             if lost > UNDERFLOW_MAX:
                 tiny[name] = max(tiny.get(name, 0.0), lost)
@@ -242,6 +256,28 @@ def _amplified(g: onnx.GraphProto, subtractions: list[onnx.NodeProto]) -> list[o
         return seen[(value, depth)]
 
     return [n for n in subtractions if any(amplified(o, AMPLIFIER_DEPTH) for o in n.output if o)]
+
+
+def _before_softmax(g: onnx.GraphProto) -> set[str]:
+    """The values that reach a FILL_SINKS op within FILL_DEPTH ops through FILL_PATH ops (where a masked fill goes)."""
+    readers: dict[str, list[onnx.NodeProto]] = collections.defaultdict(list)
+    for n in g.node:
+        for x in n.input:
+            if x:
+                readers[x].append(n)
+    seen: dict[tuple[str, int], bool] = {}
+
+    def reaches(value: str, depth: int) -> bool:
+        if (value, depth) not in seen:
+            seen[(value, depth)] = False
+            seen[(value, depth)] = any(
+                r.op_type in FILL_SINKS or
+                (depth > 1 and r.op_type in FILL_PATH and any(reaches(o, depth - 1) for o in r.output if o))
+                for r in readers.get(value, []))
+        return seen[(value, depth)]
+
+    values = [o for n in g.node for o in n.output if o] + [i.name for i in g.input]
+    return {v for v in values if reaches(v, FILL_DEPTH)}
 
 
 def _cancellation_cone(producer: dict[str, onnx.NodeProto], node: onnx.NodeProto) -> list[str]:

@@ -85,6 +85,39 @@ def test_an_input_fed_at_its_packages_scale_is_drawn_at_that_scale(tmp_path, mon
     assert np.abs(np.load(zoo.calibration_data("plain", "batch", tmp_path))["audio"]).max() < 10  # standard normal
 
 
+def test_a_graphs_edges_point_at_its_nodes_and_a_noise_level_is_positive(tmp_path, monkeypatch):
+    """data.yaml's index kind: edges [2, E] into the nodes [N, F] of the same graph (in a stack of graphs, as the
+    profile varies axes other than 0), segment ids sorted with every segment present; lognormal: positive values."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto as TP, helper
+
+    spec = importlib.util.spec_from_file_location("zoo", REPO / "benchmarks" / "zoo.py")
+    zoo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(zoo)
+    (tmp_path / "model").mkdir()
+    ins = [helper.make_tensor_value_info("x", TP.FLOAT, ["nodes", 4]), helper.make_tensor_value_info("edges", TP.INT64, [2, "e"]),
+           helper.make_tensor_value_info("batch", TP.INT64, ["nodes"]), helper.make_tensor_value_info("slots", TP.FLOAT, ["g"]),
+           helper.make_tensor_value_info("sigma", TP.FLOAT, ["g"])]
+    g = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g", ins,
+                          [helper.make_tensor_value_info("y", TP.FLOAT, ["nodes", 4])])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "g.onnx"))
+    (tmp_path / "model" / "gnn.yaml").write_text(
+        f"name: gnn\nsource: {tmp_path / 'g.onnx'}\nprofiles:\n  - x: {{min: [2, 4], opt: [12, 4], max: [40, 4]}}\n"
+        "    edges: {min: [2, 1], opt: [2, 30], max: [2, 90]}\n    batch: {min: [2], opt: [12], max: [40]}\n"
+        "    slots: {min: [1], opt: [3], max: [4]}\n    sigma: {min: [1], opt: [3], max: [4]}\n")
+    (tmp_path / "data.yaml").write_text("gnn:\n  edges: {kind: index, of: x}\n  batch: {kind: index, of: slots, sorted: true}\n"
+                                        "  sigma: {kind: lognormal, mean: -0.9, std: 2.6}\n")
+    monkeypatch.setattr(zoo, "ZOO", tmp_path)
+    monkeypatch.setattr(zoo, "DATA", tmp_path / "data.yaml")
+    d = np.load(zoo.calibration_data("gnn", "batch", tmp_path))
+    assert d["x"].shape[1:] == (12, 4) and d["edges"].shape[1:] == (2, 30)  # a stack of graphs
+    assert d["edges"].min() >= 0 and d["edges"].max() == 11
+    b = d["batch"]
+    assert (np.diff(b, axis=-1) >= 0).all() and all(set(row) == {0, 1, 2} for row in b)
+    assert (d["sigma"] > 0).all() and d["sigma"].max() > 1 > d["sigma"].min()
+
+
 def test_a_refusal_by_design_is_told_apart_from_an_error():
     spec = importlib.util.spec_from_file_location("zoo", REPO / "benchmarks" / "zoo.py")
     zoo = importlib.util.module_from_spec(spec)

@@ -93,6 +93,54 @@ def test_an_image_folder_splits_by_file(tmp_path):
         return {int(v) for f in ds.feeds for v in np.unique(f["x"][:, 0])}
     assert not pixels(s.calibration) & pixels(s.validation)  # what was drawn comes only from each set's files
     assert s.validation.kind == "images" and "2 images of model.images.source" in s.validation.source
+    for ds in (s.search, s.validation):  # 2 images each: 2 samples, not the same images again at other shapes
+        assert ds.samples == ds.distinct == 2 == len(pixels(ds)), (ds.purpose, ds.samples, pixels(ds))
+        assert any("each used once" in n for n in ds.record()["notes"]), ds.record()
+    assert s.validation.thin == ["only 2 distinct samples"]
+    s = split(recipe=recipe, calibration_samples=16)  # 4 images left to calibrate on: 4 samples, and it says so
+    assert s.calibration.samples == s.calibration.distinct == 4 and "calibration.samples=16" in s.calibration.notes[0]
+    s = split(recipe=recipe, calibration_samples=3)  # 4 images left, 3 taken: the one left over is named
+    assert s.calibration.samples == 3 and "1 are not used" in s.calibration.notes[0]
+    for i in range(8, 80):
+        Image.fromarray(np.full((8, 8, 3), i, np.uint8)).save(tmp_path / f"img{i}.png")
+    s = split(recipe=recipe, calibration_samples=4, validation_samples=0)  # 80 images: 20 validate, 20 search
+    assert s.validation.samples < 20 and any("are not used by its" in n for n in s.validation.record()["notes"])
+
+
+def test_samples_repeated_inside_the_data_count_once_and_the_split_says_so():
+    """8 samples saved as 24 (each three times): 8 distinct to split, no repeat inside a set or across sets."""
+    data = user(8, batch=8)
+    data.feeds = [{"x": np.concatenate([f["x"] for f in data.feeds] * 3)}]
+    s = split(calibration_data=data)
+    cal, search, val = ids(s.calibration), ids(s.search), ids(s.validation)
+    assert (s.calibration.samples, s.search.samples, s.validation.samples) == (4, 2, 2)
+    assert not (cal & search) and not (cal & val) and not (search & val)
+    assert any("24 samples of which 8 are distinct: 16 repeats" in n for n in s.validation.notes)
+    v = user(6, "validation.data", seed=1, batch=6)
+    v.feeds = [{"x": np.concatenate([v.feeds[0]["x"][:2]] * 3)}]  # 2 samples, 3 times each
+    s = split(calibration_data=user(8), validation_data=v)
+    assert s.validation.samples == s.validation.distinct == 2 and "only 2 distinct samples" in s.validation.thin[0]
+    assert "6 samples of which 2 are distinct" in s.validation.notes[0]
+    assert s.summary()["validation"]["distinct"] == 2
+
+
+def test_distinct_counts_a_set_whose_feeds_repeat():
+    from tasks.data.sets import DataSet
+
+    x = np.arange(2 * 3 * 8 * 8, dtype=np.float32).reshape(2, 3, 8, 8)
+    ds = DataSet("validation", "file", "test", {}, make=lambda: [{"x": x}, {"x": x[:1]}, {"x": x[1:]}])
+    assert (ds.samples, ds.distinct) == (4, 2) and ds.thin == ["only 2 distinct samples (of 4)"]
+
+
+def test_calibration_data_alone_gives_validation_a_quarter_of_every_sample_and_names_what_is_not_used():
+    """200 samples, calibration.samples=16: validation a quarter (50), the search 8, calibration 16; the 126 left
+    over are named in the notes, not silently dropped."""
+    s = split(calibration_data=user(200), calibration_samples=16)
+    assert (s.validation.samples, s.search.samples, s.calibration.samples) == (50, 8, 16)
+    assert "126 are not used (calibration.samples=16" in s.calibration.notes[0]
+    s = split(calibration_data=user(372), calibration_samples=300)  # 64 + 8 + 300: every sample used
+    assert (s.validation.samples, s.search.samples, s.calibration.samples) == (64, 8, 300)
+    assert not s.calibration.notes
 
 
 def test_a_static_profile_still_validates_on_many_samples():

@@ -16,7 +16,7 @@ def test_a_folder_of_images_feeds_the_model_through_the_recipe(tmp_path):
     from PIL import Image
 
     rng = np.random.default_rng(0)
-    for i in range(3):
+    for i in range(4):  # min, opt and max (batch 2) take one image each, each image once
         Image.fromarray(render_text_image(100, 150, rng)).save(tmp_path / f"page{i}.png")
     feeds = generated_feeds(X, PROFILES, 1, 0, recipe={**RECIPE, "source": str(tmp_path)})
     assert [f["x"].shape for f in feeds[:3]] == [(1, 3, 32, 32), (1, 3, 64, 64), (2, 3, 128, 128)]
@@ -75,8 +75,42 @@ def test_two_inputs_split_together_and_mixed_forms_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="same form"):
         load_feeds(str(tmp_path / "mixed.npz"), ins, prof, "validation.data")
     np.savez(tmp_path / "counts.npz", input_ids=np.ones((10, 16), np.int64), attention_mask=np.ones((12, 16), np.int64))
-    with pytest.raises(ConfigError, match="different numbers of samples"):
-        load_feeds(str(tmp_path / "counts.npz"), ins, prof, "validation.data")
+    with pytest.raises(ConfigError, match="'input_ids' dim 0 is 10 but input 'attention_mask' dim 0 is 12"):
+        load_feeds(str(tmp_path / "counts.npz"), ins, prof, "validation.data")  # the model ties their batch dims
+
+
+GNN = [TensorInfo("x", "float32", ["num_nodes", 4]), TensorInfo("edge_index", "int64", [2, "num_edges"]),
+       TensorInfo("edge_attr", "float32", ["num_edges", 3])]
+GNN_PROFILE = [{"x": {"min": [1, 4], "opt": [16, 4], "max": [64, 4]},
+                "edge_index": {"min": [2, 1], "opt": [2, 32], "max": [2, 128]},
+                "edge_attr": {"min": [1, 3], "opt": [32, 3], "max": [128, 3]}}]
+
+
+def gnn_graph(rng: np.random.Generator, nodes: int, edges: int, stack: bool = False) -> dict:
+    g = {"x": rng.standard_normal((nodes, 4)).astype(np.float32),
+         "edge_index": rng.integers(0, nodes, (2, edges)).astype(np.int64),
+         "edge_attr": rng.standard_normal((edges, 3)).astype(np.float32)}
+    return {k: a[None] for k, a in g.items()} if stack else g
+
+
+def test_a_graph_whose_inputs_do_not_share_axis_0_is_one_sample_in_either_form(tmp_path):
+    """A GNN's feed (nodes [N, F], edges [2, E]): one sample, whether given at the inputs' rank or with a leading
+    axis of 1 (a stack of one batch); nodes or edges are never counted as samples."""
+    from tasks.data.inputs import load_data
+
+    rng = np.random.default_rng(0)
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "stacked").mkdir()
+    for i, (n, e) in enumerate([(12, 30), (20, 44), (7, 16)]):
+        np.savez(tmp_path / "plain" / f"g{i}.npz", **gnn_graph(rng, n, e))
+        np.savez(tmp_path / "stacked" / f"g{i}.npz", **gnn_graph(rng, n, e, stack=True))
+    for form in ("plain", "stacked"):
+        feeds, rec = load_data(str(tmp_path / form), GNN, GNN_PROFILE, "calibration.data")
+        assert [f["x"].shape[0] for f in feeds] == [12, 20, 7] and [f["edge_index"].shape for f in feeds][0] == (2, 30)
+        assert (rec.feeds, rec.samples) == (3, 3), form
+    np.savez(tmp_path / "wide.npz", **gnn_graph(rng, 80, 30))  # 80 nodes: outside the profile, named in the error
+    with pytest.raises(ConfigError, match="outside every profile"):
+        load_data(str(tmp_path / "wide.npz"), GNN, GNN_PROFILE, "calibration.data")
 
 
 def test_data_whose_tied_dims_disagree_is_refused(tmp_path):

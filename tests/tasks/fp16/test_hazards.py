@@ -118,3 +118,42 @@ def test_a_centered_variance_and_data_near_zero_keep_everything_fp16(tmp_path):
     for variance in ("centered", "moments"):
         path = _layernorm_model(tmp_path / f"{variance}.onnx", variance)
         assert fp16_hazards_from_data(onnx.load(str(path)), [{"x": zero_mean}]) == ({}, {}), variance
+
+
+@pytest.mark.parametrize("mask", ["bool", "int"])
+def test_a_masked_fill_before_the_softmax_keeps_nothing_fp32(tmp_path, mask):
+    """Attention scores masked with Where(mask, s, -inf) or + (1 - mask) * -1e9 before the Softmax: the fill is no
+    reason to keep a node fp32 (fp16 zeroes those positions alike), and the fp16 graph matches fp32 on the masks."""
+    import onnxruntime as ort
+
+    from tasks.data.inputs import generated_feeds
+    from tasks.data.profiles import shape_rules
+    from tasks.engines.build import onnx_at_precision
+    from tasks.fp16.hazards import fp16_hazards_from_data
+    from tasks.graph.models import graph_io
+    from tasks.onnxrt.emulate import fp16_rounded
+    from tests.tasks.graph.test_meaning import SEQ_PROFILE, tiny_transformer
+
+    m = tiny_transformer(mask)
+    path = tmp_path / "attn.onnx"
+    onnx.save(m, str(path))
+    inputs, _ = graph_io(m)
+    feeds = generated_feeds(inputs, SEQ_PROFILE, 4, 0, rules=shape_rules(inputs, SEQ_PROFILE, m))
+    for f in feeds:  # every sample padded (the range check reads each feed's first)
+        f["mask"][:, -1:] = 0
+    assert all((f["mask"][:, 0] == 1).all() for f in feeds)  # never padded whole
+    keep, _ = fp16_hazards_from_data(m, feeds)
+    assert not {"masked", "attn", "scores", "fill"} & set(keep), keep
+    r = onnx_at_precision(path, "fp16", tmp_path / "fp16.onnx", keep)
+    sess = ort.InferenceSession(fp16_rounded(onnx.load(str(r.files["onnx"]))).SerializeToString(),
+                                providers=["CPUExecutionProvider"])
+    ref = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for f in feeds:
+        out, want = sess.run(None, f)[0], ref.run(None, f)[0]
+        assert np.isfinite(out).all() and _cosine(want, out) >= MIN_COSINE
+    big = {"input_ids": feeds[0]["input_ids"], "token_type_ids": feeds[0]["token_type_ids"], "mask": feeds[0]["mask"]}
+    scaled = onnx.load(str(path))  # scores beyond fp16's range on both sides are still kept fp32
+    for t in scaled.graph.initializer:
+        if t.name == "word":
+            t.CopyFrom(nh.from_array(nh.to_array(t) * 200.0, "word"))
+    assert "scores" in fp16_hazards_from_data(scaled, [big])[0]
