@@ -312,7 +312,7 @@ def test_int8_from_calibration_data_is_quantized_validated_and_cached_across_tar
     assert not any(k.startswith("baseline_") for k in m), m
     b = s["stages"]["build"]
     assert b["status"] == "skipped" and "built in calibrate" in b["reason"] and "time int8" in b["reason"], b
-    assert m["cosine_source"].startswith("onnxruntime emulation of int8 (Q/DQ computed as written")
+    assert m["cosine_source"].startswith("onnxruntime emulation of int8 (int8 layers as TensorRT's fused int8 kernels")
     v = json.loads((Path(s["out_dir"]) / "validation.json").read_text())
     assert v["inputs"].startswith("samples held out for validation of calibration.data") and v["samples"] == 3
     assert "needs a GPU" in json.loads((Path(s["out_dir"]) / "benchmark.json").read_text())["quantized_vs_baseline"]
