@@ -471,6 +471,10 @@ def test_a_search_that_keeps_most_flops_high_says_int8_will_not_pay():
     assert low_share_warning([{"sensitivity": rows}], "int8") is None
 
 
+def _cos(a: np.ndarray, b: np.ndarray) -> float:
+    return float(a @ b / np.sqrt((a @ a) * (b @ b)))
+
+
 def test_the_search_judges_the_pooled_cosine_less_its_standard_error():
     """The search's statistic is validate's pooled cosine (same figure as tasks.accuracy.metrics.summarize), lowered by its
     standard error: the jackknife's over the feeds, at least (1 - cosine) / sqrt(feeds)."""
@@ -481,7 +485,14 @@ def test_the_search_judges_the_pooled_cosine_less_its_standard_error():
     outs = [{"y": r["y"] + rng.standard_normal(64) * (0.05 if i else 0.6)} for i, r in enumerate(refs)]  # one bad feed
     cos, se, bound = pooled_estimate([pooled_sums(r, o) for r, o in zip(refs, outs)])
     assert cos == pytest.approx(headline(summarize(compare(r, o) for r, o in zip(refs, outs)))["cosine_min"], abs=1e-12)
-    assert se > (1 - cos) / np.sqrt(8) and bound == pytest.approx(cos - se)  # the bad feed: the jackknife decides
+    # the jackknife computed independently: the cosine of the concatenated outputs with each feed left out in turn
+    loo = np.array([_cos(np.concatenate([r["y"] for j, r in enumerate(refs) if j != i]),
+                         np.concatenate([o["y"] for j, o in enumerate(outs) if j != i])) for i in range(8)])
+    jackknife = np.sqrt(7 / 8 * np.sum((loo - loo.mean()) ** 2))
+    assert cos == pytest.approx(_cos(np.concatenate([r["y"] for r in refs]), np.concatenate([o["y"] for o in outs])),
+                                abs=1e-12)
+    assert jackknife > (1 - cos) / np.sqrt(8)  # the bad feed: the jackknife decides, and se is its value
+    assert se == pytest.approx(jackknife, rel=1e-9) and bound == pytest.approx(cos - se)
     even = [{"y": r["y"] + rng.standard_normal(64) * 0.05} for r in refs]
     c2, se2, _ = pooled_estimate([pooled_sums(r, o) for r, o in zip(refs, even)], z=2.0)
     assert se2 == pytest.approx((1 - c2) / np.sqrt(8)) and se2 < se  # alike feeds: the floor
