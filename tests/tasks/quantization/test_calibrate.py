@@ -343,6 +343,19 @@ def test_impossible_budget_raises_accuracy_error(tiny):
     e = ei.value
     assert e.stage == "calibrate" and e.fix
     assert "no layer can be quantized" in e.message and "layers together give 0.9" in e.message, e.message
+    # it names the closest layers with their figures, the target that would keep the best one, and the setting
+    closest = e.result.details["closest"]
+    assert [r["bound"] for r in closest] == sorted((r["bound"] for r in closest), reverse=True) and closest
+    best = closest[0]
+    assert f"{best['node']} (Conv, " in e.message and f"= {best['bound']:.6f}" in e.message, e.message
+    assert f"a search target of at most {best['bound']:.6f} would keep {best['node']} int8" in e.fix, e.fix
+    assert "accuracy.min_cosine=" in e.fix and "sensitivity.json" in e.fix
+    rows = e.result.details["sensitivity"]  # the failed result keeps the sensitivity table and the figures
+    assert {r["node"] for r in rows} == {"conv1", "conv2"} and all(r["local_error"] is not None for r in rows)
+    assert e.result.metrics["search_cosine_all_quantized"] < 0.99999 and e.result.metrics["quantized_layers"] == 0
+    # what it says would pass does: at that target the search keeps that layer int8
+    r = qdq_from_onnx(path, feeds, d / "closest.onnx", min_cosine=best["bound"] - 1e-9, high_precision="fp32")
+    assert best["node"] in r.details["quantized"], (best, r.details["quantized"])
     with pytest.raises(AccuracyError, match="fp16 graph without any Q/DQ already gives cosine 0.99999"):
         qdq_from_onnx(path, feeds, d / "never.onnx", min_cosine=1.0)  # fp16 rounding alone misses a budget of 1
     assert not (d / "never.onnx").exists()
