@@ -226,6 +226,7 @@ def _calibrate(ctx: BuildContext) -> StageResult:
     from tasks.accuracy import judged_samples
     from tasks.partition import Rest, segment_feeds
     from tasks.prequant import float_weight_segments, restore_weight_scales, weight_only_weights, weight_scales_note
+    from tasks.evaluate import input_ranges
 
     p, c = ctx.cfg.precision, ctx.cfg.calibration
     cal, held = ctx.data.calibration, ctx.data.search
@@ -263,6 +264,7 @@ def _calibrate(ctx: BuildContext) -> StageResult:
             return e.result
         if shipped:
             r.details["weight_scales_kept"] = restore_weight_scales(r.files, shipped)
+        r.details["input_ranges"] = input_ranges(cal.feeds)  # what a failed validation's samples are compared with
         return r
 
     q = ctx.cached("calibrate", q_parts, quantize, entry="calibrate-qdq", data=True)
@@ -404,7 +406,8 @@ def validate(ctx: BuildContext) -> StageResult:
         fix = dequantized_fix(apart, val.kind == "random", ctx.cfg.accuracy.min_cosine)
         if not r.details["passed"]:
             ctx.warn("validate", fix)
-    gate(r, label=label, fix=fix)
+    gate(r, label=label, fix=fix,
+         calibration_ranges=None if cal is None else (cal.details.get("quantization") or {}).get("input_ranges"))
     return r
 
 
