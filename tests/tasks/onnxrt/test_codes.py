@@ -129,3 +129,47 @@ def test_the_rewrite_computes_on_codes_and_the_label_says_so(written):
     label = emulation_label("int8")
     assert "codes multiplied and summed exactly" in label and "scaled in fp32" in label
     assert "products summed in fp32" not in label
+
+
+def _matmul_gemm_model(path: Path) -> Path:
+    """x[n,16] -> MatMul(w1[16,32]) -> Relu -> Gemm(w2[8,32], b2, transB=1, alpha=0.5) -> y[n,8]."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((16, 32)).astype(np.float32) * 0.3, "w1"),
+             numpy_helper.from_array(rng.standard_normal((8, 32)).astype(np.float32) * 0.3, "w2"),
+             numpy_helper.from_array(rng.standard_normal(8).astype(np.float32) * 0.1, "b2")]
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm"), helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("Gemm", ["r", "w2", "b2"], ["y"], transB=1, alpha=0.5, name="gemm")]
+    g = helper.make_graph(nodes, "mm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 16])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 8])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.save(m, str(path))
+    return path
+
+
+def test_matmul_and_gemm_layers_match_integer_arithmetic(tmp_path):
+    """MatMul (weight scale per output column) and Gemm (transB, alpha, bias) as TensorRT computes them: int64 sums of
+    the codes, scaled in fp32 by activation scale x weight scale (x alpha), the bias added, the output rounded to fp16."""
+    from tasks.quantization.calibrate import qdq_from_onnx
+
+    rng = np.random.default_rng(1)
+    feeds = [{"x": rng.standard_normal((64, 16)).astype(np.float32)} for _ in range(6)]
+    src = _matmul_gemm_model(tmp_path / "f32.onnx")
+    r = qdq_from_onnx(src, feeds[:4], tmp_path / "int8.onnx", method="minmax", eval_feeds=feeds[4:],
+                      workdir=tmp_path / "work")
+    p = _params(r.files["onnx"])
+    run, how = precision_runner(r.files["onnx"])
+    assert "2 int8 layers on their codes" in how, how
+    f32 = np.float32
+    for feed in feeds:
+        q1 = _quantize(_f16(feed["x"]), p["x_scale"])
+        h = _f16((q1 @ p["w1_quantized"].astype(np.int64)).astype(f32) *
+                 (f32(p["x_scale"]) * p["w1_scale"].astype(f32)).astype(f32))
+        q2 = _quantize(np.maximum(h, 0), p["r_scale"])
+        scale = (f32(p["r_scale"]) * p["w2_scale"].astype(f32) * f32(0.5)).astype(f32)
+        ref = _f16((q2 @ p["w2_quantized"].astype(np.int64).T).astype(f32) * scale + p["b2"].astype(f32))
+        got = run(feed)["y"]
+        assert _within_one_fp16_step(got, ref) >= 0.999
+        assert np.linalg.norm(got - ref) <= 1e-4 * np.linalg.norm(ref)
