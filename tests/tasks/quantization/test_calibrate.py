@@ -121,8 +121,9 @@ def test_det_all_layers_int8(det_all):
     m = r.metrics
     assert m["quantized_layers"] == 72 and m["fallback_layers"] == 0  # 62 Conv, 2 ConvTranspose, 8 residual Adds
     assert m["calibration_samples"] == 10
-    # text pages at 320x320, fonts 12-48 px, the rest of the graph fp16: 0.891 measured; every layer int8 is the
-    # worst case, the budget search below recovers 0.99
+    # entropy's ranges as asked, text pages at 320x320, fonts 12-48 px, the rest of the graph fp16: docs/accuracy.md
+    # states 0.87 for every layer int8 with entropy (0.8865 on the worst page, 0.8948 pooled, measured); the ranges
+    # chosen per tensor raise it to 0.95 (test_det_budget_takes_the_range_that_loses_least), the budget search to 0.99
     assert m["search_cosine_worst_feed"] >= 0.88, m
     assert r.details["prepare"]["opset"] >= 19 and r.details["prepare"]["opset_in"] == 12
     n_q, consumers = _qdq_counts(r.files["onnx"])
@@ -148,8 +149,8 @@ def test_det_budget_keeps_most_layers_int8(det_budget):
     # ranked without a whole-model run per layer: the figures of every layer and of none quantized, then the
     # judgements (2 held-out + 8 calibration feeds each) and one screening run per refined candidate
     assert m["search_runs"] < 2 * 10 + 30 * 10 + 24, m
-    p = _profile(r.files["onnx"])  # entropy ranges as asked: 0.71 measured (the default, ranges chosen per tensor: below)
-    assert p["flops_share"]["fp32"] <= 0.05 and p["conv_int8_share"] >= 0.6, p
+    p = _profile(r.files["onnx"])  # entropy ranges as asked: 0.827 measured (the default, ranges chosen per tensor: below)
+    assert p["flops_share"]["fp32"] <= 0.05 and p["conv_int8_share"] >= 0.8, p
     g = onnx.load(str(r.files["onnx"])).graph
     fallback = set(r.details["fallback"])
     dq_out = _dq_outputs(g)
@@ -175,6 +176,8 @@ def test_det_budget_takes_the_range_that_loses_least(det_budget, det_auto):
     for node, r in rows.items():  # each layer's range: the one whose local error was least (ties: entropy)
         errs = r["local_errors"]
         assert r["range"] == choice.get(node, "entropy") and errs[r["range"]] == min(errs.values()), (node, errs)
+    # docs/accuracy.md: every layer int8 goes from 0.87 (entropy) to 0.95-0.97 with the ranges chosen per tensor
+    assert m["search_cosine_all_quantized"] >= 0.95, m  # 0.9544 measured
     assert m["search_cosine_all_quantized"] > det_budget.metrics["search_cosine_all_quantized"] + 0.03, m
     share, entropy_share = (_profile(r.files["onnx"])["conv_int8_share"] for r in (det_auto, det_budget))
     assert share >= 0.8 and share >= entropy_share - 0.05, (share, entropy_share)
