@@ -7,10 +7,12 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tests.flows.test_build_flow import build
 
 
+@pytest.mark.slow  # a whole flow
 def test_a_refused_search_names_the_closest_layers_and_keeps_its_report(prefect_harness, user_config_dir, tmp_path):
     np.savez(tmp_path / "data.npz", x=np.random.default_rng(2).standard_normal((12, 3, 16, 16)).astype(np.float32))
     s = build(["model=tiny", "precision=int8", f"calibration.data={tmp_path / 'data.npz'}",
