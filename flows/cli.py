@@ -127,7 +127,9 @@ def accuracy_source(summary: dict) -> str:
     """What the accuracy number measured, in words: ONNX Runtime's emulation of the precision, or the engine."""
     m, v = summary["metrics"], summary["stages"].get("validate", {})
     src = m.get("cosine_source", "")
-    exact = " (Q/DQ computed as written: the same on any x86-64 CPU)" if "Q/DQ computed as written" in src else ""
+    from tasks.onnxrt import SAME_ON_ANY_CPU
+
+    exact = f" (quantized layers computed in float: {SAME_ON_ANY_CPU})" if SAME_ON_ANY_CPU in src else ""
     text = f"the engine on {src[len('engine on '):]}" if src.startswith("engine on ") else \
         f"ONNX Runtime emulation of {summary['precision']}{exact} on this host, not the engine"
     if v.get("cached_from"):

@@ -20,7 +20,7 @@ from flows.replans import with_replans
 from flows.runners import candidate_runner, deliverable
 from tasks.trt import backend as trt_backend
 from tasks.engines import engines_of, same_graph
-from tasks.common import SegmentBuildError, TrtforgeError
+from tasks.common import AccuracyError, SegmentBuildError, TrtforgeError
 from tasks.common import StageResult, sha256_file
 from tasks.schema import STAGES
 
@@ -229,6 +229,7 @@ def _calibrate(ctx: BuildContext) -> StageResult:
     from tasks.accuracy import judged_samples
     from tasks.partition import Rest, segment_feeds
     from tasks.prequant import float_weight_segments, restore_weight_scales, weight_only_weights, weight_scales_note
+    from tasks.evaluate import input_ranges
 
     p, c = ctx.cfg.precision, ctx.cfg.calibration
     cal, held = ctx.data.calibration, ctx.data.search
@@ -254,16 +255,28 @@ def _calibrate(ctx: BuildContext) -> StageResult:
         shipped = float_weight_segments(segs, d) if weight_only_weights(ctx.results["export"].details) else {}
         rest = Rest(model, plan, ctx.results["partition"].files, [o["name"] for o in ctx.results["export"].details["outputs"]],
                     judge_feeds_of(cal.feeds, held.feeds if held else None)) if through else None
-        r = qdq_for_segments([{**s, "onnx": shipped[s["index"]][0]} if s["index"] in shipped else s for s in segs],
-                             lambda i: segment_feeds(model, plan, i, cal.feeds),
-                             (lambda i: segment_feeds(model, plan, i, held.feeds)) if held else None, d,
-                             method=c.method, precision=p.name, min_cosine=target, progress=progress,
-                             data_max=ctx.cfg.build.fp16_data_max, metric=goal and goal.judge, rest=rest)
+        try:
+            r = qdq_for_segments([{**s, "onnx": shipped[s["index"]][0]} if s["index"] in shipped else s for s in segs],
+                                 lambda i: segment_feeds(model, plan, i, cal.feeds),
+                                 (lambda i: segment_feeds(model, plan, i, held.feeds)) if held else None, d,
+                                 method=c.method, precision=p.name, min_cosine=target, progress=progress,
+                                 data_max=ctx.cfg.build.fp16_data_max, metric=goal and goal.judge, rest=rest)
+        except AccuracyError as e:  # the refusal is a result too (its sensitivity report, the search's figures):
+            if getattr(e, "result", None) is None:  # cached, raised below
+                raise
+            return e.result
         if shipped:
             r.details["weight_scales_kept"] = restore_weight_scales(r.files, shipped)
+        r.details["input_ranges"] = input_ranges(cal.feeds)  # what a failed validation's samples are compared with
         return r
 
     q = ctx.cached("calibrate", q_parts, quantize, entry="calibrate-qdq", data=True)
+    refused = q.details.get("refused")
+    if refused:  # the failed result keeps the sensitivity report and the search's figures
+        err = AccuracyError(refused["message"], stage="calibrate", file=refused.get("file"), fix=refused.get("fix"))
+        err.result = StageResult(files={k: v for k, v in q.files.items() if k.startswith("sensitivity")},
+                                 metrics=q.metrics, details={"quantization": q.details})
+        raise err
     e_parts = key_parts(ctx, "calibrate-engine", qdq=[sha256_file(q.files[f"qdq{s['index']}"]) for s in segs],
                         profiles=[s["profiles"] for s in segs], backend=ctx.backend.version)
 
@@ -396,7 +409,8 @@ def validate(ctx: BuildContext) -> StageResult:
         fix = dequantized_fix(apart, val.kind == "random", ctx.cfg.accuracy.min_cosine)
         if not r.details["passed"]:
             ctx.warn("validate", fix)
-    gate(r, label=label, fix=fix)
+    gate(r, label=label, fix=fix,
+         calibration_ranges=None if cal is None else (cal.details.get("quantization") or {}).get("input_ranges"))
     return r
 
 

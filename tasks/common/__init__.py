@@ -2,6 +2,7 @@
 from tasks.common.exports import lazy
 
 __getattr__, __dir__, __all__ = lazy(__name__, {
+    "AccuracyError": "errors",
     "ConfigError": "errors",
     "STAGE_LIBRARIES": "deps",
     "SegmentBuildError": "errors",

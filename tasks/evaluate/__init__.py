@@ -7,6 +7,7 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "engine_timing": "benchmark",
     "gate": "validate",
     "host_info": "benchmark",
+    "input_ranges": "fixes",
     "logit_runners": "logits",
     "validate_onnx": "validate",
     "validation_fix": "fixes",

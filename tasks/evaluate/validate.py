@@ -11,6 +11,7 @@ from tasks.common.errors import AccuracyError, StageError
 from tasks.data.inputs import batch_size
 from tasks.accuracy.metrics import compare, headline, summarize
 from tasks.accuracy.nonfinite import DATA_HOW, finite_part_notes, nonfinite_reference, reference_warnings
+from tasks.evaluate.fixes import failing_feeds_text, input_ranges
 from tasks.onnxrt.ort import ort_run, ort_session
 from tasks.common.util import StageResult, write_json
 
@@ -121,6 +122,7 @@ def validate_onnx(reference: Path, candidate: Path | Callable, feeds: list[dict[
     report = {
         "reference": reference_label, "inputs": inputs_source, "samples": samples,
         "feeds": [{n: list(a.shape) for n, a in f.items()} for f in feeds], "left_out": left_out,
+        "feed_inputs": [input_ranges([f]) for f in feeds],  # per feed, each float input's [min, max]
         "min_cosine": min_cosine, "identical": identical, "measured": measured is not None,
         "cosine_min": metrics.get("cosine_min"), "cosine_source": metrics.get("cosine_source"),
         "outputs": measured or {}, "emulation": emulation_report, "engine": engine,
@@ -236,9 +238,11 @@ def verdict_text(metrics: dict, passed: bool, min_cosine: float, reference_label
     return text
 
 
-def gate(result: StageResult, label: str | None = None, fix: str | None = None) -> None:
+def gate(result: StageResult, label: str | None = None, fix: str | None = None,
+         calibration_ranges: dict | None = None) -> None:
     """Raise the AccuracyError of a failed verdict (a fresh one or one served from the cache): the one place its
-    message is written."""
+    message is written. A cosine verdict names the failing validation feeds and, given ``calibration_ranges``
+    (tasks.evaluate.fixes.input_ranges of the calibration samples), whether their inputs reach outside that range."""
     r = result.details
     if r["passed"]:
         return
@@ -248,6 +252,9 @@ def gate(result: StageResult, label: str | None = None, fix: str | None = None) 
         msg = (f"output {worst!r} has cosine {r['cosine_min']:.6f} to {r['reference']} ({r['cosine_source']}), below "
                f"accuracy.min_cosine={r['min_cosine']}")
         default_fix = "use a higher precision, or lower accuracy.min_cosine if that loss is acceptable"
+        failing = failing_feeds_text(r, calibration_ranges)
+        if failing:
+            msg += f"; {failing}"
         ref_bad = ((r.get("nonfinite") or {}).get("reference") or {}).get(worst)
         if ref_bad and r["outputs"][worst].get("nonfinite_mismatch"):  # no precision makes the NaN/inf line up
             random_inputs = r["nonfinite"].get("random_inputs")

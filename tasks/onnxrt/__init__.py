@@ -6,4 +6,5 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "ort_runner": "ort",
     "ort_session": "ort",
     "precision_runner": "emulate",
+    "SAME_ON_ANY_CPU": "emulate",
 })

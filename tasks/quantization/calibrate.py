@@ -118,7 +118,12 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
             judge_every_layer(s)
             s.chosen, s.cos_chosen = list(s.layers), s.cos_all
             if min_cosine is not None and not s.all_met:
-                search_layers(s)
+                try:
+                    search_layers(s)
+                except AccuracyError as e:  # refused: the search's figures and sensitivity rows go with the error
+                    e.result = _stage_result(s, {}, reused, prep_info, keep, cancel, unreached, calibration_seconds,
+                                             time.perf_counter() - t_search, t0)
+                    raise
             return s
 
         try:
@@ -229,6 +234,8 @@ def _stage_result(s: SearchState, files: dict, reused: bool, prep_info: dict, ke
             # layers no calibration sample reaches (computed from constants alone): left unquantized, not calibrated
             "unreached_by_data": unreached,
             "quantized": list(chosen),
+            # a refusal's closest layers, each quantized alone (tasks.quantization.layer_search.closest_layers)
+            **({"closest": s.closest} if s.closest else {}),
         },
     )
 
@@ -255,7 +262,8 @@ def qdq_for_segments(segments: list[dict], feeds_for: Callable[[int], list[Feed]
     files, per_segment, details = {}, [], []
     for s in segments:
         i = s["index"]
-        with (progress(i) if progress else contextlib.nullcontext()) as on_sample:
+        with (progress(i) if progress else contextlib.nullcontext()) as on_sample, \
+                _refusal_with_report(details, per_segment, i, out_dir):
             r = qdq_from_onnx(s["onnx"], feeds_for(i), out_dir / f"qdq{i}.onnx", method=method, precision=precision,
                               min_cosine=min_cosine, eval_feeds=search_feeds_for(i) if search_feeds_for else None,
                               workdir=out_dir / f"work{i}", on_sample=on_sample, no_layers_ok=len(segments) > 1,
@@ -269,6 +277,27 @@ def qdq_for_segments(segments: list[dict], feeds_for: Callable[[int], list[Feed]
                          stage=STAGE, fix="keep this model at fp16/fp32")
     files.update(sensitivity_report(details, out_dir))
     return StageResult(files=files, metrics=metrics, details={"segments": details})
+
+
+@contextlib.contextmanager
+def _refusal_with_report(details: list[dict], per_segment: list[dict], index: int, out_dir: Path):
+    """A segment's search refused (AccuracyError with the search's result): the error's result becomes the stage's as
+    far as it got, with every segment's sensitivity report (sensitivity.json/png) and figures, and ``refused``
+    (message, fix, file) in its details, so that the stage can keep the refusal and a failed result shows them."""
+    from tasks.report.sensitivity import sensitivity_report
+
+    try:
+        yield
+    except AccuracyError as e:
+        r = getattr(e, "result", None)
+        if r is None:
+            raise
+        details = [*details, {"segment": index, **r.details}]
+        e.result = StageResult(files=sensitivity_report(details, out_dir),
+                               metrics=combined_search_metrics([*per_segment, r.metrics]),
+                               details={"segments": details, "refused": {"message": e.message, "fix": e.fix,
+                                                                         "file": e.file}})
+        raise
 
 
 LOW_SHARE = 0.5  # below this share of layer FLOPs quantized, int8 is unlikely to beat fp16 (reformats between them)

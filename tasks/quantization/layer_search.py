@@ -58,6 +58,7 @@ class SearchState:
     cos_chosen: Judged | None = None
     cos_none: Judged | None = None
     sensitivity: list[dict] = field(default_factory=list)
+    closest: list[dict] = field(default_factory=list)  # a refusal's closest layers, each judged alone
     range_choice: dict = field(default_factory=dict)
     search_runs: int = 0
     timing: dict = field(default_factory=dict)
@@ -217,9 +218,49 @@ def annotate_sensitivity(s: SearchState, local: dict) -> None:
         row["range"] = s.range_choice.get(row["node"], s.method) if s.choose else s.method
 
 
+CLOSEST = 3  # layers a refusal measures alone and names: those whose own output error is least
+
+
+def closest_layers(s: SearchState, count: int = CLOSEST) -> list[dict]:
+    """The ``count`` layers whose own output error is least, each judged quantized alone on the search's session as
+    the search judges a candidate: rows ``{"node", "op", "flops_share", "local_error", "value", "se", "bound"}``
+    (``value``: the pooled cosine, or another metric's worst feed; ``bound``: what is compared with the target),
+    best bound first."""
+    rows = [r for r in s.sensitivity if r.get("local_error") is not None] or list(s.sensitivity)
+    total = sum(r.get("flops") or 0 for r in s.sensitivity) or None
+    picked = sorted(rows, key=lambda r: r.get("local_error") if r.get("local_error") is not None else float("inf"))
+    out = []
+    for r in picked[:count]:
+        value, se, bound = s.scorer.estimate([r["node"]])
+        out.append({"node": r["node"], "op": r.get("op"), "local_error": r.get("local_error"), "value": value, "se": se,
+                    "bound": bound, "flops_share": (r.get("flops") or 0) / total if total else None})
+    return sorted(out, key=lambda r: -r["bound"])
+
+
+def what_would_pass(s: SearchState, best: dict) -> str:
+    """The settings under which the best of ``closest_layers`` meets the search's target, in words."""
+    b, target, what = best["bound"], float(s.min_cosine), s.what
+    if s.metric.name != "cosine":
+        return (f"a search target of at most {b:.6g} would keep {best['node']} {s.precision}: relax "
+                f"accuracy.metric={s.metric.name}'s settings until its {what} reaches that, or lower "
+                f"calibration.budget_margin (the search tightens the metric by it)")
+    # the budget behind the target (a judge made for another target, as a direct call's default: the target itself)
+    budget = float(s.metric.metric.min_cosine) if abs(float(s.metric.target) - target) < 1e-12 else target
+    share = (target - budget) / (1.0 - budget) if budget < 1.0 else 0.0  # the margin in use, of the allowed error
+    lower = (b - share) / (1.0 - share) if share < 1.0 else b
+    text = (f"a search target of at most {b:.6f} would keep {best['node']} {s.precision} (the target is "
+            f"accuracy.min_cosine={budget:.6g} plus {share:.3g} of the allowed error, calibration.budget_margin grown "
+            f"for the samples judged): accuracy.min_cosine={max(lower, 0.0):.6f} at this margin")
+    if b > budget:
+        text += f", or calibration.budget_margin low enough that {(b - budget) / (1.0 - budget):.3g} of the allowed " \
+                "error is held in reserve at accuracy.min_cosine as it is"
+    return text
+
+
 def refuse_without_layers(s: SearchState) -> None:
     """AccuracyError for a search that found no layer to quantize: the graph without any Q/DQ, measured here only
-    (the search takes it to meet), already below the target, or no part of the layers meets it."""
+    (the search takes it to meet), already below the target, or no part of the layers meets it; the latter names the
+    closest layers (``closest_layers``), their figures and the settings under which the best would pass."""
     min_cosine, metric, what = s.min_cosine, s.metric, s.what
     s.cos_none = Judged.of(s.scorer.outputs([]), s.judged_refs, s.judged_inputs, metric, held=len(s.eval_feeds))
     if s.cos_none.bound < min_cosine:
@@ -229,14 +270,22 @@ def refuse_without_layers(s: SearchState) -> None:
             f"(accuracy.metric={metric.name}; {s.judged})", stage=STAGE, file=str(s.fp32_path),
             fix=f"relax accuracy.metric={metric.name}'s threshold (accuracy.min_cosine for cosine), or build this "
                 "model at precision=fp16: its accuracy search keeps in fp32 the nodes fp16 cannot compute")
+    closest = closest_layers(s)
+    s.closest = closest
+    figures = "; ".join(
+        f"{r['node']}" + (f" ({r['op']}, {r['flops_share']:.1%} of the FLOPs)" if r["flops_share"] is not None else "")
+        + f": {what} {r['value']:.6f}" + (f" less {JUDGE_Z:g} standard error {r['se']:.2g} = {r['bound']:.6f}"
+                                          if s.pooled else "") for r in closest)
     raise AccuracyError(
         f"no layer can be quantized to {s.precision} within the search's target {what} {min_cosine:.6g} "
         f"(accuracy.metric={metric.name} and calibration.budget_margin): all {len(s.layers)} "
         f"{'/'.join(QUANT_OPS)} layers together give {s.cos_all.cosine:.6f}{s.cos_all.less_se}, and no part of "
         f"them that the search tried meets it ({'pooled' if s.pooled else 'worst feed'} over {s.judged}"
-        f"{f', less {JUDGE_Z:g} standard error' if s.pooled else ''})", stage=STAGE, file=str(s.fp32_path),
-        fix=f"relax accuracy.metric={metric.name}'s threshold, calibrate on more representative samples, try another "
-            "calibration method, or build this model at fp16")
+        f"{f', less {JUDGE_Z:g} standard error' if s.pooled else ''}). Closest, each quantized alone: {figures}",
+        stage=STAGE, file=str(s.fp32_path),
+        fix=(what_would_pass(s, closest[0]) + "; " if closest else "") +
+            f"or calibrate on more representative samples, try another calibration method, or build this model at "
+            f"fp16; sensitivity.json in the failed result ranks every layer")
 
 
 def judged_as_written(q: Quantizer, chosen: list[str], scorer: Switchable, feeds: list[Feed],

@@ -70,6 +70,9 @@ class Switchable:
         self.high_precision = q.high_precision
         if q.high_precision == "fp16":  # the remainder as written (``q.model``) and emulated
             m = _fp16_emulated(m, q)
+        # each int8 layer computed on its codes as the written graph's emulation computes it (tasks/onnxrt/codes.py),
+        # switched as a whole; the rest of the switches (residual Adds' skip inputs) by input
+        m = _layers_switched_on_codes(m, set(self.flags.values()))
         self.model = _switched_by_if(m, set(self.flags.values()))  # what the session runs
         # ``workers`` runs at once, on ``threads`` each (tasks.onnxrt.ort.ordered_runs); through the rest of a hybrid
         # model (other sessions, run for each output) one at a time on ONNX Runtime's threads
@@ -147,6 +150,106 @@ class Switchable:
         with self._count:  # runs may go on several threads (ordered_runs)
             self.runs += 1
         return ort_run(self.session, {**feed, **flags}, stage=STAGE)
+
+
+def _layers_switched_on_codes(m: onnx.ModelProto, flags: set[str]) -> onnx.ModelProto:
+    """Each layer whose activation and weight are switched by ``Where(flag, dequantized, float)`` on the same flag as
+    one ``If`` on that flag: its then-branch the layer on its int8 codes (``tasks.onnxrt.codes.layer_from_codes``, what
+    ``precision_runner`` computes for the written graph's int8 layers), its else-branch the layer on the float inputs,
+    each branch with the chain only it reads (the activation's QuantizeLinear and its fp16 rounding; the float input's
+    rounding). Layers the codes rewrite does not know keep their input switches."""
+    from tasks.graph.edit import name_allocator, prune_unused
+    from tasks.onnxrt.codes import layer_from_codes
+
+    g = m.graph
+    made = {o: n for n in g.node for o in n.output}
+    inits = {t.name: t for t in g.initializer}
+    fresh = name_allocator(g)
+
+    def switch(v: str):
+        w = made.get(v)
+        return w if w is not None and w.op_type == "Where" and w.input[0] in flags else None
+
+    plans = {}
+    for n in g.node:
+        sw = [switch(x) for x in n.input[:2]]
+        if len(sw) < 2 or None in sw or sw[0].input[0] != sw[1].input[0]:
+            continue
+        quantized = onnx.NodeProto()
+        quantized.CopyFrom(n)
+        quantized.input[0], quantized.input[1] = sw[0].input[1], sw[1].input[1]
+        quantized.output[0] = fresh(n.output[0] + "__int8")
+        codes = layer_from_codes(quantized, made, inits, g, fresh)
+        if codes is None:
+            continue
+        high = onnx.NodeProto()
+        high.CopyFrom(n)
+        high.input[0], high.input[1] = sw[0].input[2], sw[1].input[2]
+        high.output[0] = fresh(n.output[0] + "__high")
+        plans[id(n)] = (sw[0].input[0], codes, high)
+    if not plans:
+        return m
+    nodes = []
+    for n in g.node:
+        if id(n) not in plans:
+            nodes.append(n)
+            continue
+        flag, codes, high = plans[id(n)]
+        then = helper.make_graph([*codes, helper.make_node("Identity", [codes[-1].output[0]], [n.output[0] + "__then"])],
+                                 n.output[0] + "_then", [], [onnx.ValueInfoProto(name=n.output[0] + "__then")])
+        other = helper.make_graph([high, helper.make_node("Identity", [high.output[0]], [n.output[0] + "__else"])],
+                                  n.output[0] + "_else", [], [onnx.ValueInfoProto(name=n.output[0] + "__else")])
+        nodes.append(helper.make_node("If", [flag], [n.output[0]], name=n.name, then_branch=then, else_branch=other))
+    del g.node[:]
+    g.node.extend(nodes)
+    prune_unused(g, ops=("Where", *QDQ_OPS))
+    _move_into_branches(g)
+    return m
+
+
+def _move_into_branches(g: onnx.GraphProto) -> None:
+    """Into each ``If`` branch, the Q/DQ/Cast producers (not of constants) that only that branch reads, back along
+    their inputs: a branch not taken computes nothing of its own."""
+    made = {o: n for n in g.node for o in n.output}
+    consts = {t.name for t in g.initializer}
+    readers: dict[str, int] = {}
+    for n in g.node:
+        for x in n.input:
+            readers[x] = readers.get(x, 0) + 1
+        for b in (a.g for a in n.attribute if a.type == onnx.AttributeProto.GRAPH):
+            for x in {x for y in b.node for x in y.input}:
+                readers[x] = readers.get(x, 0) + 1
+    for o in g.output:
+        readers[o.name] = readers.get(o.name, 0) + 1
+    taken: set[int] = set()
+    for n in g.node:
+        if n.op_type != "If":
+            continue
+        for a in n.attribute:
+            if a.type != onnx.AttributeProto.GRAPH:
+                continue
+            inner = {o for y in a.g.node for o in y.output}
+            frontier = [x for y in a.g.node for x in y.input if x not in inner]
+            chain = []
+            while frontier:
+                v = frontier.pop()
+                p = made.get(v)
+                if p is None or p.op_type not in ("QuantizeLinear", "DequantizeLinear", "Cast") or id(p) in taken or \
+                        any(readers.get(o, 0) != 1 for o in p.output) or all(x in consts or not x for x in p.input):
+                    continue
+                taken.add(id(p))
+                chain.append(p)
+                frontier.extend(x for x in p.input if x not in consts)
+            if chain:
+                body = [onnx.NodeProto() for _ in chain]
+                for c, p in zip(body, chain[::-1]):
+                    c.CopyFrom(p)
+                rest = list(a.g.node)
+                del a.g.node[:]
+                a.g.node.extend(body + rest)
+    keep = [n for n in g.node if id(n) not in taken]
+    del g.node[:]
+    g.node.extend(keep)
 
 
 def _switched_by_if(m: onnx.ModelProto, flags: set[str]) -> onnx.ModelProto:

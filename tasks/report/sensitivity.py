@@ -19,7 +19,7 @@ def sensitivity_report(segments: list[dict], d: Path) -> dict[str, Path]:
     files = {"sensitivity": write_json(d / "sensitivity.json", {"layers": rows, "segments": [
         {k: s.get(k) for k in ("segment", "method", "range_choice", "precision", "quantized", "fallback", "min_cosine",
                                "fp32_by_data_range", "fp32_by_cancellation", "search_set", "search_statistic",
-                               "cosine_fp16")}
+                               "cosine_fp16", "closest")}
         for s in segments]})}
     gain = [r for r in rows if r.get("restore_gain") is not None]
     local = [r for r in rows if r.get("local_error") is not None]

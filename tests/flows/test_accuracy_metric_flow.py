@@ -53,26 +53,26 @@ def client():
     return MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
 
 
-def test_allclose_on_a_saturated_softmax_keeps_layers_in_fp16_or_fails_naming_it(prefect_harness, farm):
+def test_allclose_on_a_saturated_softmax_keeps_layers_in_fp16_until_it_passes(prefect_harness, farm):
     """Cosine says 1.000000 at all-int8 while the minority probability moves by more than 1%: allclose (atol 1e-5,
-    rtol 0.01) makes the search keep layers in fp16 until every element is within, or the build fails naming it."""
+    rtol 0.01) makes the search keep layers in fp16 until every element is within, and the build passes."""
     s = build(farm, "mild", "int8")
     assert s["status"] == "ok" and s["metrics"]["fallback_layers"] == 0 and s["metrics"]["cosine_min"] > 0.99999
     assert s["accuracy"]["metric"] == "cosine"
     assert s["accuracy"]["logits"]["prob"]["op"] == "Softmax"  # the logits reported beside the output
     s = build(farm, "mild", "int8", "accuracy.metric=allclose", "accuracy.atol=1e-5", "accuracy.rtol=0.01")
     acc = s.get("accuracy") or {}
-    if s["status"] == "ok":
-        assert s["metrics"]["fallback_layers"] >= 1 and s["metrics"]["search_metric"] == "allclose"
-        assert s["metrics"]["search_score_all_quantized"] < 1.0 <= s["metrics"]["search_score_worst_feed"]
-        assert acc["metric"] == "allclose" and acc["passed"] and acc["outputs"] == {"prob": 1.0}
-        assert acc["settings"] == {"atol": 1e-5, "rtol": 0.01, "min_within": 1.0}
-        assert len(acc["per_sample"]) == s["metrics"]["validate_samples"]
-        assert "accuracy.metric=allclose" in s["verdict"] and "cosine_min" in s["verdict"]
-        mv = client().get_model_version_by_alias(farm["names"]["mild"], "sm_86-int8")
-        assert mv.tags["accuracy_metric"] == "allclose" and float(mv.tags["accuracy_score"]) == 1.0
-    else:
-        assert "accuracy.metric=allclose" in s["error"], s["error"]
+    # docs/accuracy.md: keeps 2 of the 3 layers in fp16 (every layer int8: half the elements within) and passes
+    assert s["status"] == "ok", s.get("error")
+    assert s["metrics"]["fallback_layers"] == 2 and s["metrics"]["quantized_layers"] == 1, s["metrics"]
+    assert s["metrics"]["search_metric"] == "allclose"
+    assert s["metrics"]["search_score_all_quantized"] < 1.0 <= s["metrics"]["search_score_worst_feed"]
+    assert acc["metric"] == "allclose" and acc["passed"] and acc["outputs"] == {"prob": 1.0}
+    assert acc["settings"] == {"atol": 1e-5, "rtol": 0.01, "min_within": 1.0}
+    assert len(acc["per_sample"]) == s["metrics"]["validate_samples"]
+    assert "accuracy.metric=allclose" in s["verdict"] and "cosine_min" in s["verdict"]
+    mv = client().get_model_version_by_alias(farm["names"]["mild"], "sm_86-int8")
+    assert mv.tags["accuracy_metric"] == "allclose" and float(mv.tags["accuracy_score"]) == 1.0
 
 
 def test_a_user_function_from_the_config_dir_gates_the_build_and_its_search(prefect_harness, farm):

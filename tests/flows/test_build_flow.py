@@ -312,7 +312,7 @@ def test_int8_from_calibration_data_is_quantized_validated_and_cached_across_tar
     assert not any(k.startswith("baseline_") for k in m), m
     b = s["stages"]["build"]
     assert b["status"] == "skipped" and "built in calibrate" in b["reason"] and "time int8" in b["reason"], b
-    assert m["cosine_source"].startswith("onnxruntime emulation of int8 (Q/DQ computed as written")
+    assert m["cosine_source"].startswith("onnxruntime emulation of int8 (int8 layers as TensorRT's fused int8 kernels")
     v = json.loads((Path(s["out_dir"]) / "validation.json").read_text())
     assert v["inputs"].startswith("samples held out for validation of calibration.data") and v["samples"] == 3
     assert "needs a GPU" in json.loads((Path(s["out_dir"]) / "benchmark.json").read_text())["quantized_vs_baseline"]
@@ -349,7 +349,7 @@ def test_the_cli_ends_when_an_int8_build_is_done(user_config_dir, tiny_calibrati
 
 @pytest.mark.slow
 def test_ppocr_det_int8_meets_the_budget_with_most_layers_int8_and_rebuilds_from_cache(prefect_harness, tmp_path):
-    """The int8 bar: calibration on text images, accuracy.min_cosine=0.99 met with at least half the conv FLOPs int8;
+    """The int8 bar: calibration on text images, accuracy.min_cosine=0.99 met with at least 80% of the conv FLOPs int8;
     an identical second build is served from the cache in at most a quarter of the time."""
     import time
 
@@ -363,9 +363,9 @@ def test_ppocr_det_int8_meets_the_budget_with_most_layers_int8_and_rebuilds_from
     assert m["cosine_min"] >= 0.99
     assert m["quantized_layers"] + m["fallback_layers"] == 72  # 62 Conv, 2 ConvTranspose, 8 residual Adds
     assert set(m["flops_share"]) == {"fp32", "fp16", "int8", "fp8"} and m["flops_share"]["fp32"] <= 0.05, m
-    # the search restores the most harmful layers per FLOP: few FLOPs in many small layers (19 of 72 layers int8
-    # carried most of the conv FLOPs here); the goal is 0.8
-    assert m["conv_int8_share"] >= 0.5, m
+    # the search restores the most harmful layers per FLOP: few FLOPs in many small layers (20 of 72 layers int8
+    # carry 81.7% of the conv FLOPs here, measured)
+    assert m["conv_int8_share"] >= 0.8, m
     out = Path(s["out_dir"])
     sens = json.loads((out / "sensitivity.json").read_text())
     assert len(sens["layers"]) == 72 and (out / "sensitivity.png").is_file()

@@ -88,28 +88,55 @@ def test_two_kernel_paths_give_the_same_cosine(quantized_models):  # noqa: F811
         assert abs(got["all"] - got["none"]) < 1e-6 and 0.99 < got["all"] < 1.0, (name, got)
 
 
+def written_score(folder: Path) -> float:
+    """The pooled cosine of the int8 graph the calibrate stage wrote (``written_int8.onnx``: every layer int8, the rest
+    fp16) to its fp32 model, emulated as validate emulates it (``precision_runner``: int8 layers on their codes)."""
+    from tasks.onnxrt.emulate import precision_runner
+    from tasks.onnxrt.ort import ort_runner
+
+    feeds = _feeds()
+    ref, run = ort_runner(folder / "written_f32.onnx"), precision_runner(folder / "written_int8.onnx")[0]
+    return pooled_cosine([run(f) for f in feeds], [ref(f) for f in feeds])
+
+
+def _written(folder: Path) -> Path:
+    """A folder holding a calibrate-written int8 graph with an fp16 remainder and its fp32 model (``written_score``)."""
+    from tasks.quantization.calibrate import qdq_from_onnx
+    from tests.conftest import make_conv_model
+
+    src = make_conv_model(folder / "written_f32.onnx", channels=32)
+    rng = np.random.default_rng(11)
+    cal = [{"x": rng.standard_normal((1, 3, 16, 16)).astype(np.float32)} for _ in range(4)]
+    qdq_from_onnx(src, cal, folder / "written_int8.onnx", method="minmax", workdir=folder / "work")
+    return folder
+
+
 @pytest.mark.slow
-def test_the_same_figures_on_an_avx2_only_and_an_sse4_only_cpu(quantized_models):  # noqa: F811
+def test_the_same_figures_on_an_avx2_only_and_an_sse4_only_cpu(quantized_models, tmp_path):  # noqa: F811
+    """The pre-quantized models (Q/DQ and QOperator, u8 and s8) and an int8 graph as the calibrate stage writes it (fp16
+    remainder, int8 layers emulated on their codes) score the same under an AVX2-only and an SSE4-only CPU."""
     qemu = shutil.which("qemu-x86_64")
     if qemu is None:
         pytest.skip("qemu-x86_64 is not installed (make qemu: Debian's qemu-user), so no other CPU can be emulated")
     folder = quantized_models["static_u8"].parent
-    here = scores(folder)
+    written = _written(tmp_path)
+    here, here_written = scores(folder), written_score(written)
     there = {}
     root = Path(__file__).resolve().parents[3]
     for cpu in CPUS:
-        p = subprocess.run([qemu, "-cpu", cpu, sys.executable, "-m", "tests.tasks.onnxrt.test_exact", str(folder)],
-                           cwd=root, capture_output=True, text=True, timeout=600,
+        p = subprocess.run([qemu, "-cpu", cpu, sys.executable, "-m", "tests.tasks.onnxrt.test_exact", str(folder),
+                            str(written)], cwd=root, capture_output=True, text=True, timeout=900,
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert p.returncode == 0, p.stderr[-2000:]
         there[cpu] = json.loads(p.stdout.strip().splitlines()[-1])
     for cpu, got in there.items():
         for name in MODELS:
             assert abs(got[name]["exact"] - here[name]["exact"]) < 1e-6, (cpu, name, got[name], here[name])
+        assert abs(got["written"] - here_written) < 1e-6 and 0.99 < here_written < 1.0, (cpu, got["written"], here_written)
     # and those CPUs really run different integer kernels (else the agreement above would prove nothing)
     assert max(abs(there[CPUS[0]][n]["kernels"] - there[CPUS[1]][n]["kernels"]) for n in MODELS) > 1e-5, there
 
 
 if __name__ == "__main__":  # the probe the cross-CPU test runs under QEMU: the scores as one JSON line
-    print(json.dumps(scores(Path(sys.argv[1]))))
+    print(json.dumps({**scores(Path(sys.argv[1])), "written": written_score(Path(sys.argv[2]))}))
 
