@@ -255,3 +255,40 @@ def test_two_hosts_build_a_users_model_calibrating_once_and_survive_a_killed_wor
             os.killpg(tracking.pid, signal.SIGKILL)
         os.environ.clear()
         os.environ.update(old)
+
+
+def test_a_worker_builds_from_checked_copies_at_paths_named_by_their_content(tmp_path, monkeypatch):
+    """Upload once by sha256, fetch into the worker's workdir (checked), overrides and config dir pointing at the copies;
+    a damaged blob is refused. The store here is a local MLflow artifact location (the farm's is its server's)."""
+    from flows.config import compose_config
+    from flows.farmship import blobs, collect, manifest_of, materialize, rewritten
+    from flows.farmstore import FarmStore, FarmStoreError
+
+    root = user_dir(tmp_path / "user")
+    monkeypatch.chdir(root)
+    ov = ["model=mine", "calibration.data=cal.npz", "accuracy.metric=minority:relative_error"]
+    items = collect(compose_config(ov, "conf"), "conf")
+    shipped = manifest_of(items)
+    store = FarmStore((tmp_path / "store").as_uri())
+    roots = {i.key: i.root for i in items}
+    files = {sha: roots[key] / rel for sha, (key, rel) in blobs(shipped).items()}
+    assert store.put_blobs(files) == 5 and FarmStore(store.uri).put_blobs(files) == 0  # once per content
+
+    config_dir, extra = materialize(shipped, tmp_path / "worker", store.get_blob)
+    cfg = compose_config(rewritten(ov, extra), config_dir)
+    source = Path(cfg.model.source)
+    assert source.parent.parent == tmp_path / "worker" / "items" and source.read_bytes() == (
+        root / "models" / "mine.onnx").read_bytes()
+    assert (source.parent / "mine.onnx.data").is_file()  # the weights beside the model, as it names them
+    assert Path(cfg.calibration.data).parent.parent == tmp_path / "worker" / "items"
+    assert (Path(config_dir) / "minority.py").resolve().read_text() == (root / "minority.py").read_text()
+    assert (Path(config_dir) / "model" / "mine.yaml").is_file()
+    again = materialize(shipped, tmp_path / "worker", store.get_blob)  # fetched once: the same places
+    assert again == (config_dir, extra)
+
+    sha = next(iter(shipped["items"][1]["files"].values()))
+    blob = tmp_path / "store" / "blobs" / sha[:2] / sha
+    assert not blob.is_symlink()  # a copy in the store, not a link to the user's file
+    blob.write_bytes(b"not the model")
+    with pytest.raises(FarmStoreError, match=sha):
+        materialize(shipped, tmp_path / "other", store.get_blob)
