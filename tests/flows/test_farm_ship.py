@@ -292,3 +292,48 @@ def test_a_worker_builds_from_checked_copies_at_paths_named_by_their_content(tmp
     blob.write_bytes(b"not the model")
     with pytest.raises(FarmStoreError, match=sha):
         materialize(shipped, tmp_path / "other", store.get_blob)
+
+
+def test_the_shared_cache_serves_one_workers_entry_to_another_with_its_reads_under_its_own_workdir(
+        prefect_harness, tmp_path):
+    """Worker A computes an entry whose stage read a fetched file; worker B (other cache, other workdir with the same
+    file) is served A's upload, the record of what was read pointing into B's workdir; once B's copy differs, B
+    recomputes. Each lease is let go (a real Prefect server: the session's)."""
+    from prefect.client.orchestration import get_client
+
+    from flows.farmstore import FarmStore, SharedStageCache, lease_name
+    from tasks.common import StageResult
+
+    store = FarmStore((tmp_path / "store").as_uri())
+    calls = []
+
+    def stage(workdir: Path):
+        def fn(d: Path) -> StageResult:
+            calls.append(workdir.name)
+            data = (workdir / "items" / "abc" / "cal.npz").read_bytes()
+            (d / "out.bin").write_bytes(data[::-1])
+            return StageResult(files={"out": d / "out.bin"}, metrics={"n": len(data)})
+        return fn
+
+    caches = {}
+    for name in ("a", "b"):
+        (tmp_path / name / "items" / "abc").mkdir(parents=True)
+        (tmp_path / name / "items" / "abc" / "cal.npz").write_bytes(b"the same calibration data")
+        caches[name] = SharedStageCache(tmp_path / name / "cache", store, tmp_path / name, 60, 30)
+    a, b = caches["a"], caches["b"]
+    key = a.key("calibrate-qdq", {"x": 1})
+    assert a.get("calibrate-qdq", key) is None  # nobody has it: A holds its lease and computes
+    r = a.run("calibrate-qdq", key, stage(tmp_path / "a"), origin={"run": "A"})
+    assert [e["path"] for e in r.deps["files"]] == [str(tmp_path / "a" / "items" / "abc" / "cal.npz")]
+    hit = b.get("calibrate-qdq", key)
+    assert calls == ["a"] and hit is not None and hit.origin["run"] == "A"
+    assert [e["path"] for e in hit.deps["files"]] == [str(tmp_path / "b" / "items" / "abc" / "cal.npz")]
+    assert hit.files["out"].read_bytes() == r.files["out"].read_bytes() and hit.files["out"].parent != r.files["out"].parent
+
+    (tmp_path / "b" / "items" / "abc" / "cal.npz").write_bytes(b"other calibration data!!!")
+    b2 = SharedStageCache(tmp_path / "b" / "cache", store, tmp_path / "b", 60, 30)
+    assert b2.get("calibrate-qdq", key) is None and "changed" in b2.stale[("calibrate-qdq", key)]
+    b2.run("calibrate-qdq", key, stage(tmp_path / "b"))
+    assert calls == ["a", "b"]
+    with get_client(sync_client=True) as client:
+        assert client.read_global_concurrency_limit_by_name(lease_name("calibrate-qdq", key)).active_slots == 0
