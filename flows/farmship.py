@@ -27,7 +27,7 @@ KEY_TAG = "trtforge.farm.key"  # and the build's key as the submitter computed i
 CONFIG_DIR = "--config-dir"  # the manifest item of the user's config dir
 DATA_KEYS = ("calibration.data", "validation.data", "validation.labels", "model.traffic.source", "model.images.source")
 MODULE_KEYS = ("model.factory", "accuracy.metric")  # module:function, imported from the working or config dir
-SKIP_DIRS = {"__pycache__", ".git", ".hg", ".svn", ".ipynb_checkpoints"}
+SKIP_DIRS = {"__pycache__"}  # (and every hidden folder: tree)
 
 
 @dataclass
@@ -59,7 +59,8 @@ def collect(cfg: Any, config_dir: str | None) -> list[Item]:
         root = Path(config_dir).expanduser().resolve()
         if not root.is_dir():
             raise ConfigError(f"--config-dir {config_dir!r} is not a folder", fix="give the folder of your model/*.yaml")
-        items.append(Item(CONFIG_DIR, config_dir, root, tree(root)))
+        outputs = [Path(str(cfg[k])).expanduser().resolve() for k in ("out_dir", "cache_dir")]
+        items.append(Item(CONFIG_DIR, config_dir, root, tree(root, skip=outputs)))
     source = OmegaConf.select(cfg, "model.source")
     if source and not str(source).startswith(("pkg://", "npm://")):
         items.append(model_item(cfg, str(source), search))
@@ -76,9 +77,16 @@ def collect(cfg: Any, config_dir: str | None) -> list[Item]:
     return items
 
 
-def tree(root: Path) -> list[str]:
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*")
-                  if p.is_file() and not SKIP_DIRS & set(p.relative_to(root).parts))
+def tree(root: Path, skip: list[Path] = ()) -> list[str]:
+    """The files under `root`, without hidden folders (.git, .venv, .trtforge), caches and the `skip` folders (a
+    config dir that is the working dir holds the build's own results)."""
+    out = []
+    for p in root.rglob("*"):
+        rel = p.relative_to(root)
+        if (p.is_file() and not SKIP_DIRS & set(rel.parts) and not any(x.startswith(".") for x in rel.parts[:-1])
+                and not any(d == p or d in p.parents for d in skip)):
+            out.append(str(rel))
+    return sorted(out)
 
 
 def model_item(cfg: Any, source: str, search: list[Path]) -> Item:

@@ -65,6 +65,12 @@ def test_submit_refuses_a_missing_file_naming_the_key(tmp_path, monkeypatch):
     assert shipped["model.source"] == ["mine.onnx", "mine.onnx.data"]  # the external weights travel with the model
     assert shipped["accuracy.metric"] == ["minority.py"] and shipped["calibration.data"] == ["cal.npz"]
     assert shipped["--config-dir"] == ["model/mine.yaml"]
+    (root / "conf" / "results" / "mine").mkdir(parents=True)  # results and a cache kept inside the config dir
+    (root / "conf" / "results" / "mine" / "engine.plan").write_bytes(b"a result")
+    (root / "conf" / ".trtforge" / "cache").mkdir(parents=True)
+    (root / "conf" / ".trtforge" / "cache" / "x.onnx").write_bytes(b"a cache entry")
+    whole = {i.key: i.files for i in collect(compose_config(["model=mine", "out_dir=conf/results"], conf), conf)}
+    assert whole["--config-dir"] == ["model/mine.yaml"]  # without the build's own results
     with pytest.raises(ConfigError, match="calibration.data='nope.npz'"):
         collect(compose_config(["model=mine", "calibration.data=nope.npz"], conf), conf)
     (root / "models" / "mine.onnx.data").unlink()
@@ -165,6 +171,7 @@ def test_two_hosts_build_a_users_model_calibrating_once_and_survive_a_killed_wor
                                 "target=sm_86,sm_89", *common], env=env, cwd=user, capture_output=True, text=True,
                                timeout=900)
         assert sweep.returncode == 0, sweep.stdout + sweep.stderr
+        print(sweep.stdout)  # (the table, with -s)
         lines = sweep.stdout.splitlines()
         header = next(i for i, line in enumerate(lines) if line.startswith("build"))
         rows = lines[header + 1:header + 3]
