@@ -211,12 +211,14 @@ def sweep(combos: list[list[str]], config_dir: str | None, out=print) -> int:
             row.update(status=fr.state_type.value.lower(), error=fr.state.message or "")
         rows.append(row)
         code = max(code, 0 if row["status"] == "ok" else 1)
-    out(table(rows))
+    swept = [i for i in range(len(combos[0])) if len({c[i] for c in combos}) > 1] if combos else []
+    out(table(rows, swept))
     return code
 
 
-def table(rows: list[dict]) -> str:
-    """One line per build: what, where, how it ended, the engine, the accuracy, and whether calibration was reused."""
+def table(rows: list[dict], swept: list[int] = ()) -> str:
+    """One line per build: what (the overrides at the `swept` positions; all when none), where, how it ended, the
+    engine, the accuracy, and whether calibration was reused."""
     head = ("build", "pool", "host", "status", "engine", "cosine_min", "calibrate", "mlflow run")
     lines = [head]
     for r in rows:
@@ -224,7 +226,8 @@ def table(rows: list[dict]) -> str:
         reuse = cal.get("status", "")
         if cal.get("cached_from"):
             reuse = "cached" if reuse == "cached" else "partly cached"
-        lines.append((" ".join(o for o in r["overrides"]), r.get("pool", ""), r.get("host") or "", r["status"],
+        what = [o for i, o in enumerate(r["overrides"]) if i in swept] or r["overrides"]
+        lines.append((" ".join(what), r.get("pool", ""), r.get("host") or "", r["status"],
                       f"{m['engine_bytes'] / 2**20:.1f} MiB" if m.get("engine_bytes") else "",
                       f"{m['cosine_min']:.6f}" if m.get("cosine_min") is not None else "", reuse,
                       (r.get("mlflow") or {}).get("run_id") or ""))

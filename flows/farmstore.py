@@ -154,11 +154,13 @@ def lease(name: str, lease_seconds: float, wait_seconds: float):
     from prefect.concurrency.sync import concurrency
     from prefect.exceptions import ObjectAlreadyExists
 
+    import httpx
+
     with get_client(sync_client=True) as client:
         try:
             client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
-        except ObjectAlreadyExists:
-            pass
+        except (ObjectAlreadyExists, httpx.HTTPStatusError):  # made meanwhile by another worker (a 409, or the
+            pass                                              # server's 500 on the race); strict=True below checks
     try:
         cm = concurrency(name, occupy=1, timeout_seconds=wait_seconds, lease_duration=lease_seconds, strict=True,
                           raise_on_lease_renewal_failure=False)  # (a lost lease costs a duplicate computation)
