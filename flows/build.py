@@ -43,8 +43,8 @@ from flows.local import server as prefect_server  # noqa: E402
 from flows import stages, timeline  # noqa: E402
 from flows.context import CODE, TRTFORGE_VERSION, BuildContext, BuildIdentity  # noqa: E402
 from flows.lazy import NONE, flow, task  # noqa: E402  (Prefect is imported when a build has work)
-from flows.cache import (StageCache, build_key, new_result_dir, named_lock, publish_dir, published,  # noqa: E402
-                         remove_result, result_dir)
+from flows.cache import (build_key, new_result_dir, named_lock, publish_dir, published,  # noqa: E402
+                         remove_result, result_dir, stage_cache)
 from flows.cli import expand_overrides, parse_args, print_stage, print_summary  # noqa: E402
 from flows.config import compose_config, flat_params, preflight  # noqa: E402
 from flows.sweep import jobs, run_sweep  # noqa: E402
@@ -233,12 +233,13 @@ def versions(ctx: BuildContext) -> dict[str, str]:
 
 def run_build(cfg: DictConfig, config_dir: str | None = None, show_progress: bool = True,
               on_stage=None, overrides: list[str] | None = None, tolerance: float | None = None,
-              started: float | None = None) -> dict:
+              started: float | None = None, recorded_config_dir: str | None = None) -> dict:
     """The published result when it is up to date (no server, no new run); else validate the whole config and run
     the flow. Raises ConfigError on bad input, found before the flow or by a
     stage (no run is created), UnavailableError when this host cannot build the target. `overrides` and `config_dir` are recorded in the
     run, so a scheduled rebuild can re-resolve the config; `tolerance`: see flows.registry.register_engines.
-    `started` (epoch seconds, default now): when the build began, the start of its MLflow run."""
+    `started` (epoch seconds, default now): when the build began, the start of its MLflow run.
+    `recorded_config_dir`: the config dir to record when the build reads a copy of it (a farm worker's)."""
     started = time.time() if started is None else started
     key = build_key(cfg, config_dir)
     done = up_to_date(cfg, key)
@@ -253,10 +254,10 @@ def run_build(cfg: DictConfig, config_dir: str | None = None, show_progress: boo
                 timeline.mark("work found")
                 identity = BuildIdentity(
                     cache_key=key, build_id=uuid.uuid4().hex, tolerance=tolerance, started=started,
-                    config_dir=str(Path(config_dir).expanduser().resolve()) if config_dir else "",
+                    config_dir=recorded_config_dir or (str(Path(config_dir).expanduser().resolve()) if config_dir else ""),
                     overrides=json.dumps(list(overrides) if overrides is not None else None))
                 ctx = BuildContext(cfg=cfg, inputs=preflight(cfg, config_dir), identity=identity,
-                                   cache=StageCache(cfg.cache_dir), show_progress=show_progress, on_stage=on_stage)
+                                   cache=stage_cache(cfg.cache_dir), show_progress=show_progress, on_stage=on_stage)
                 timeline.mark("preflight done")
                 prefect_server.ensure()  # the user's shared local Prefect server answers (waits for its start)
                 timeline.mark("prefect server answers")

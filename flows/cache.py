@@ -10,11 +10,13 @@ swapped in by replacing one symlink atomically.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import socket
 import uuid
+from contextvars import ContextVar
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
@@ -136,6 +138,25 @@ class StageCache:
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
+
+
+# the stage cache a build uses: this machine's (the default), or one a farm worker sets for its build (flows/farmstore.py)
+_shared: ContextVar[Callable[[str], StageCache] | None] = ContextVar("trtforge_shared_cache", default=None)
+
+
+def stage_cache(root: str | os.PathLike) -> StageCache:
+    make = _shared.get()
+    return StageCache(root) if make is None else make(root)
+
+
+@contextlib.contextmanager
+def shared_cache(make: Callable[[str], StageCache]):
+    """Builds inside the block use `make(cache_dir)` for their stage cache (the farm's shared cache)."""
+    token = _shared.set(make)
+    try:
+        yield
+    finally:
+        _shared.reset(token)
 
 
 # --- the whole build: its key, and the published result folder ----------------------------------------------

@@ -1,4 +1,5 @@
-"""`python -m flows.rebuild [rebuild_out=PATH] [tolerance=X] [experiment=NAME]`: one pass of the scheduled rebuild.
+"""`python -m flows.rebuild [rebuild_out=PATH] [tolerance=X] [experiment=NAME] [farm=true]`: one pass of the scheduled
+rebuild (farm=true: the stale builds run on the build farm, flows/farm.py).
 
 For every (model, target, precision) with an ok run in the tracking store: re-resolve its config as it stands
 now (conf/ and the --config-dir and overrides the run recorded), rebuild only when the build's key changed (model
@@ -64,14 +65,18 @@ def recorded_overrides(run) -> tuple[list[str], str | None]:
 
 
 def rebuild_pass(rebuild_out: str | None = None, tolerance: float | None = None, experiment: str | None = None,
-                 log=print) -> dict:
+                 log=print, farm: bool | None = None) -> dict:
+    """`farm` (default: conf/rebuild.yaml's): a stale build is submitted to the build farm (flows/farm.py) and waited
+    for, instead of built here; the check of what is stale stays here."""
     from flows.build import run_build
     from flows.cache import build_key
     from flows.config import compose_config
+    from flows.farmship import KEY_TAG, MANIFEST_TAG
     from tasks.common import TrtforgeError
 
     s = settings()
     tolerance = s["tolerance"] if tolerance is None else tolerance
+    farm = truthy(s["farm"]) if farm is None else farm
     report: dict[str, Any] = {"checked": 0, "rebuilt": [], "fresh": [], "failed": []}
     for run in tracked(experiment or s["experiment"]):
         t = run.data.tags
@@ -82,12 +87,18 @@ def rebuild_pass(rebuild_out: str | None = None, tolerance: float | None = None,
         try:
             cfg = compose_config(overrides, config_dir)
             key = build_key(cfg, config_dir)
-            stale = inputs_changed(run, cfg) if key == t.get("cache_key") else "its config or content changed"
+            farm_built = MANIFEST_TAG in t  # (its cache_key is the worker's, computed on the files it fetched)
+            stale = ("its config or content changed" if key != t.get(KEY_TAG if farm_built else "cache_key") else
+                     shipped_changed(run, cfg, config_dir) if farm_built else inputs_changed(run, cfg))
             if stale is None:
                 report["fresh"].append(item)
                 log(f"fresh    {name}")
                 continue
-            summary = run_build(cfg, config_dir, show_progress=False, overrides=overrides, tolerance=tolerance)
+            if farm:
+                from flows.farm import run_on_farm
+                summary = run_on_farm(overrides, config_dir, tolerance=tolerance)
+            else:
+                summary = run_build(cfg, config_dir, show_progress=False, overrides=overrides, tolerance=tolerance)
         except TrtforgeError as e:
             report["failed"].append({**item, "reason": e.render()})
             log(f"failed   {name}: {e.render().splitlines()[0]}")
@@ -110,6 +121,20 @@ def rebuild_pass(rebuild_out: str | None = None, tolerance: float | None = None,
 
         for_user(write_json(rebuild_out, report))
     return report
+
+
+def shipped_changed(run, cfg, config_dir: str | None) -> str | None:
+    """A farm build: what it was shipped (every file it read that the user supplies, flows/farmship.py) against those
+    files now; None when they are the same."""
+    from flows.farmship import MANIFEST_TAG, collect, manifest_hash, manifest_of
+
+    if manifest_hash(manifest_of(collect(cfg, config_dir))) != run.data.tags[MANIFEST_TAG]:
+        return "a file it was shipped to the farm changed"
+    return None
+
+
+def truthy(v: Any) -> bool:
+    return v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes", "on")
 
 
 def inputs_changed(run, cfg) -> str | None:
@@ -159,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         kv = dict(a.split("=", 1) for a in args)
         opts = settings(**kv)
         tol = float(opts["tolerance"])
-        r = rebuild_pass(opts["rebuild_out"], tol, opts["experiment"])
+        r = rebuild_pass(opts["rebuild_out"], tol, opts["experiment"], farm=truthy(opts["farm"]))
     except TrtforgeError as e:
         if os.environ.get("TRTFORGE_TRACEBACK"):
             raise
