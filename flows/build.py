@@ -54,6 +54,7 @@ from tasks.common import TrtforgeError, cause  # noqa: E402
 from tasks.report import write_report  # noqa: E402
 from tasks.schema import STAGES  # noqa: E402
 from tasks.common import write_json  # noqa: E402
+from tasks.common import MemoryWatch, budget_from_config  # noqa: E402
 from flows.local.private import for_user  # noqa: E402  (results follow the user's umask)
 
 
@@ -110,7 +111,7 @@ def search_and_revalidate(ctx: BuildContext) -> None:
         ctx.stages[n] = {}  # the entry starts afresh, in its place
     ctx.fp16_search, ctx.failed, ctx.error = True, None, None
     for n in ("build", "validate"):
-        attempt = {k: first[n][k] for k in ("status", "seconds", "reason") if first[n].get(k) is not None}
+        attempt = {k: first[n][k] for k in ("status", "seconds", "reason", "peak_rss_mib") if first[n].get(k) is not None}
         if ctx.failed:
             ctx.stages[n] = {"status": "skipped", "seconds": 0.0, "reason": f"the {ctx.failed} stage failed",
                              "first_attempt": attempt}
@@ -119,6 +120,8 @@ def search_and_revalidate(ctx: BuildContext) -> None:
         e = ctx.stages[n]
         e["first_attempt"] = attempt
         e["seconds"] = round(e.get("seconds", 0.0) + (first[n].get("seconds") or 0.0), 3)
+        if "peak_rss_mib" in attempt:  # the stage's peak over both attempts
+            e["peak_rss_mib"] = max(e.get("peak_rss_mib", 0.0), attempt["peak_rss_mib"])
         if n == "build":
             m = ctx.results["build"].metrics if e.get("status") != "failed" else {}
             e["fp16_search"] = (
@@ -141,6 +144,10 @@ def publish(ctx: BuildContext) -> dict:
         summary["engines"] = publish_engines(ctx, tmp)
         summary["engine"] = summary["engines"][0]
         m["engine_bytes"] = sum(e["bytes"] for e in summary["engines"])  # the shipped files, byte for byte
+    if ctx.memory is not None:  # measured on this run (stages served from the cache included), with its budget
+        m["peak_rss_mib"] = ctx.memory.peak_mib
+        if ctx.memory.budget is not None:
+            summary["memory"] = ctx.memory.budget.as_dict()
     summary["metrics"] = {k: v for k, v in sorted(m.items())}
     if ctx.error is not None:
         summary["error"] = ctx.error.render()
@@ -256,8 +263,15 @@ def run_build(cfg: DictConfig, config_dir: str | None = None, show_progress: boo
                     cache_key=key, build_id=uuid.uuid4().hex, tolerance=tolerance, started=started,
                     config_dir=recorded_config_dir or (str(Path(config_dir).expanduser().resolve()) if config_dir else ""),
                     overrides=json.dumps(list(overrides) if overrides is not None else None))
-                ctx = BuildContext(cfg=cfg, inputs=preflight(cfg, config_dir), identity=identity,
-                                   cache=stage_cache(cfg.cache_dir), show_progress=show_progress, on_stage=on_stage)
+                # the build's resident memory from here on: per stage, overall, and the budget it stays within
+                memory = MemoryWatch(budget_from_config(cfg.memory_budget_mib)).start()
+                try:
+                    ctx = BuildContext(cfg=cfg, inputs=preflight(cfg, config_dir), identity=identity,
+                                       cache=stage_cache(cfg.cache_dir), show_progress=show_progress, on_stage=on_stage,
+                                       memory=memory)
+                except BaseException:
+                    memory.close()
+                    raise
                 timeline.mark("preflight done")
                 prefect_server.ensure()  # the user's shared local Prefect server answers (waits for its start)
                 timeline.mark("prefect server answers")
@@ -268,6 +282,7 @@ def run_build(cfg: DictConfig, config_dir: str | None = None, show_progress: boo
                         summary = build_flow()
                 finally:
                     _current.reset(token)
+                    memory.close()
                 if summary is None:  # bad input found by a stage: nothing published or tracked
                     raise ctx.error
                 timeline.mark("flow done")

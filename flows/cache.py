@@ -161,7 +161,7 @@ def shared_cache(make: Callable[[str], StageCache]):
 
 # --- the whole build: its key, and the published result folder ----------------------------------------------
 
-RUNTIME_KEYS = ("out_dir", "cache_dir", "summary_out")  # where things go, not what is built
+RUNTIME_KEYS = ("out_dir", "cache_dir", "summary_out", "memory_budget_mib")  # where things go, how much memory: not what is built
 
 
 def build_key(cfg: Any, config_dir: str | None = None) -> str:

@@ -114,6 +114,12 @@ def print_summary(summary: dict, seconds: float) -> None:
         from tasks.trt import describe
 
         c.print(f"  flops    {describe(m)} (estimated on the TensorRT network)", markup=False)
+    if "peak_rss_mib" in m:  # this run's processes; an up-to-date answer shows the run that built it
+        mem = summary.get("memory") or {}
+        stage = max(((n, e["peak_rss_mib"]) for n, e in summary["stages"].items() if "peak_rss_mib" in e),
+                    key=lambda x: x[1], default=None)
+        c.print(f"  memory   peak {m['peak_rss_mib']:.0f} MiB resident" + (f" ({stage[0]} stage)" if stage else "") +
+                (f", budget {mem['budget_mib']} MiB" if "budget_mib" in mem else ""), markup=False)
     c.print(f"  summary  {summary['out_dir']}/summary.json")
     run = summary.get("mlflow") or {}
     if run:

@@ -230,9 +230,25 @@ def check_numbers(cfg: DictConfig, config_dir: str | None) -> None:
                           fix="e.g. build.fp16_data_max=32768 (ModelOpt AutoCast's choice is 512)")
     if cfg.partition.min_subgraph_size < 1:
         raise ConfigError(f"partition.min_subgraph_size={cfg.partition.min_subgraph_size} must be >= 1", fix="e.g. 3")
+    check_memory_budget(cfg.memory_budget_mib)
     for key in ("validation.samples", "benchmark.iterations", "benchmark.repeats"):
         if OmegaConf.select(cfg, key) < (0 if key == "validation.samples" else 1):
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} is too small", fix=f"give {key} a positive number")
+
+
+def check_memory_budget(budget: int | None) -> None:
+    """memory_budget_mib, when set: positive, and within the host's memory (a budget the host cannot give protects
+    nothing)."""
+    if budget is None:
+        return
+    from tasks.common import host_total_mib
+    total = host_total_mib()
+    if budget < 256:
+        raise ConfigError(f"memory_budget_mib={budget} is too small: a build's processes alone take a few hundred MiB",
+                          fix="e.g. memory_budget_mib=4096, or leave it unset (75% of the host's available memory)")
+    if total is not None and budget > total:
+        raise ConfigError(f"memory_budget_mib={budget} is more than this host's memory ({total} MiB)",
+                          fix=f"give at most {total}, or leave it unset (75% of the host's available memory)")
 
 
 def check_outputs(cfg: DictConfig, outputs: list) -> None:

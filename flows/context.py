@@ -83,6 +83,7 @@ class BuildContext:
     computed: list[tuple[str, str]] = field(default_factory=list)  # (cache entry, key) computed by this run
     deps: dict = field(default_factory=dict)  # files read and libraries used by every stage result (summary "inputs")
     fp16_search: bool = False  # fp16: the build searches the nodes to keep fp32 (set once validate missed the budget)
+    memory: Any = None  # tasks.common.memory.MemoryWatch: each stage's peak resident memory, the budget it stays within
 
     @property
     def backend(self):
@@ -140,7 +141,8 @@ class BuildContext:
             entry.update(status="skipped", seconds=0.0, reason=f"the {self.failed} stage failed")
         else:
             try:
-                result = fn(self)
+                with self.memory.stage(name) if self.memory is not None else contextlib.nullcontext():
+                    result = fn(self)
                 hits = entry.get("_hits")
                 entry.setdefault("status", "cached" if hits and all(hits) else "ok")
                 if hits and any(hits) and not all(hits):
@@ -164,6 +166,8 @@ class BuildContext:
                 entry.update(status="failed", reason=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:])
                 self.failed, self.error = name, TrtforgeError(f"{type(e).__name__}: {e}", stage=name)
             entry["seconds"] = round(time.perf_counter() - t0, 3)
+            if self.memory is not None and self.memory.stage_peak_mib(name) is not None:
+                entry["peak_rss_mib"] = self.memory.stage_peak_mib(name)
         entry.pop("_hits", None)
         entry.pop("_origins", None)
         if self.on_stage:

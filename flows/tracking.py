@@ -299,7 +299,7 @@ def run_tags(summary: dict, owner: dict, provenance: dict[str, str], versions: d
 
 def run_metrics(summary: dict) -> dict[str, float]:
     """A build's finite numeric metrics (dicts of numbers such as flops_share as "flops_share.fp16") and each stage's
-    seconds."""
+    seconds and peak resident memory."""
     flat = {}
     for k, v in summary.get("metrics", {}).items():
         flat.update({f"{k}.{kk}": vv for kk, vv in v.items()} if isinstance(v, dict) else {k: v})
@@ -307,6 +307,8 @@ def run_metrics(summary: dict) -> dict[str, float]:
                if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(float(v)) != float("inf")}
     metrics.update({f"stage_seconds.{st}": float(s["seconds"]) for st, s in summary["stages"].items()
                     if s.get("seconds") is not None})
+    metrics.update({f"stage_peak_rss_mib.{st}": float(s["peak_rss_mib"]) for st, s in summary["stages"].items()
+                    if s.get("peak_rss_mib") is not None})
     return metrics
 
 

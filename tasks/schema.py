@@ -226,5 +226,7 @@ class Config:
     cache_dir: str = ".trtforge/cache"
     out_dir: str = "out"
     summary_out: Optional[str] = None
+    # the most resident memory (MiB) a build's processes may use; None: 75% of what the host has available at its start
+    memory_budget_mib: Optional[int] = None
     experiment: str = "trtforge"
     seed: int = 0

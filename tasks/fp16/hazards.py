@@ -15,7 +15,8 @@ from onnx import TensorProto, numpy_helper
 # the same), which on PP-OCRv4 det keeps convs reading ~3000-valued feature maps in fp32 (52% of its FLOPs measured)
 # although fp16 holds them with its usual relative precision; 8192 still kept a conv whose outputs reach ~22000 (22%).
 DATA_MAX = 32768.0
-RANGE_FEEDS = 4  # feeds the range check runs on (each exposes every intermediate value at once)
+RANGE_FEEDS = 4  # feeds the range check runs on
+EXPOSED_MIB = 1024  # the values one run exposes at most; a model whose values take more on a feed is run in parts
 
 
 # fp16's unit roundoff: an fp16 value is off by up to this fraction of itself
@@ -52,7 +53,7 @@ CANCEL_CONE_MAX = 24  # a cone larger than this keeps only the subtraction and i
 def fp16_hazards_from_data(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]],
                            data_max: float = DATA_MAX, underflow: bool = False) -> tuple[dict[str, float], ...]:
     """What fp16 would break on ``feeds`` (the user's data), judged on the fp32 model in ONNX Runtime with every float
-    value exposed, one feed at a time (at most RANGE_FEEDS):
+    value exposed (in parts of at most EXPOSED_MIB, _exposed_parts), one feed at a time (at most RANGE_FEEDS):
 
     * range: {value: max |value|} for every node output (or graph input) above ``data_max`` in magnitude or not
       finite; the nodes making or reading it stay fp32 (as ModelOpt AutoCast classifies nodes by magnitude);
@@ -72,12 +73,8 @@ def fp16_hazards_from_data(model: onnx.ModelProto, feeds: list[dict[str, np.ndar
     Values, not node names: names are given to unnamed nodes later."""
     if not feeds:
         return ({}, {}, {}) if underflow else ({}, {})
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    g = m.graph
+    g = model.graph
     floats = _float_values(g)
-    sess = _session_exposing(m, floats)
-    names = [o.name for o in sess.get_outputs()]
     consts = {t.name: t for t in g.initializer}
     subtractions = [n for n in g.node if n.op_type in ("Sub", "Add") and len(n.input) == 2 and all(n.input)]
     amplified = {id(n) for n in _amplified(g, subtractions)}
@@ -86,10 +83,16 @@ def fp16_hazards_from_data(model: onnx.ModelProto, feeds: list[dict[str, np.ndar
     whole: dict[int, list[float]] = {}  # subtraction -> [sum |a|^2 + |b|^2 (broadcast), sum |result|^2] over the feeds
     spread: dict[int, list[np.ndarray]] = {}  # amplified subtraction -> its elements' fp16 relative errors
     fills = _before_softmax(g)
-    for feed in feeds[:RANGE_FEEDS]:
-        held = _values_on(sess, names, feed)
-        bad = _record_extremes(held, peak, tiny, underflow, fills, data_max)
-        _record_cancellations(held, consts, subtractions, amplified, bad, whole, spread)
+    for names in _exposed_parts(model, floats, subtractions, feeds[:RANGE_FEEDS]):
+        m = onnx.ModelProto()
+        m.CopyFrom(model)
+        sess = _session_exposing(m, names)
+        del m
+        for feed in feeds[:RANGE_FEEDS]:
+            held = _values_on(sess, names, feed)
+            bad = _record_extremes(held, peak, tiny, underflow, fills, data_max)
+            _record_cancellations(held, consts, subtractions, amplified, bad, whole, spread)
+        del sess
     over = {n: v for n, v in peak.items() if not v <= data_max}
     cancel = _cancelled_values(g, subtractions, whole, spread, set(floats))
     if underflow:
@@ -102,6 +105,46 @@ def _float_values(g: onnx.GraphProto) -> list[str]:
     types = {v.name: v.type.tensor_type.elem_type for v in (*g.value_info, *g.output, *g.input)}
     return [o for n in g.node for o in n.output
             if o and types.get(o, TensorProto.FLOAT) in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE)]
+
+
+def _exposed_parts(model: onnx.ModelProto, floats: list[str], subtractions: list[onnx.NodeProto],
+                   feeds: list[dict[str, np.ndarray]]) -> list[list[str]]:
+    """``floats`` in parts whose values take at most EXPOSED_MIB on every feed (one part when they all fit, the usual
+    case), a subtraction's operands and result in one part (its cancellation is judged from the three at once). Every
+    exposed value stays alive until its run ends: a TTS model's float values at 32 tokens took 7.6 GB at once. Sizes
+    from ONNX Runtime's profile of a plain run of each feed's first sample (tasks.partition.segments.tensor_shapes)."""
+    from tasks.partition.segments import tensor_shapes
+
+    wanted = set(floats)
+    samples = [{k: (v[:1] if getattr(v, "ndim", 0) else v) for k, v in f.items()} if _batched(f) else f for f in feeds]
+    try:
+        runs = tensor_shapes(model, floats, samples)
+    except Exception:  # noqa: BLE001 - a model that takes no other batch (or cannot run here): sized on the whole feeds
+        try:
+            runs = tensor_shapes(model, floats, feeds)
+        except Exception:  # noqa: BLE001 - the range check itself reports why the model cannot run
+            return [floats]
+    size = {n: max((int(np.prod(r[n][0], dtype=np.int64)) * np.dtype(r[n][1]).itemsize for r in runs if n in r),
+                   default=0) for n in floats}
+    if sum(size.values()) <= EXPOSED_MIB << 20:
+        return [floats]
+    group = {n: i for i, n in enumerate(floats)}  # each value its own group; a subtraction's three values one group
+    members: dict[int, list[str]] = {i: [n] for i, n in enumerate(floats)}
+    for n in subtractions:
+        ids = sorted({group[x] for x in (*n.input, n.output[0]) if x in wanted})
+        for other in ids[1:]:
+            for x in members.pop(other, []):
+                group[x] = ids[0]
+                members[ids[0]].append(x)
+    parts, part, used = [], [], 0
+    for i in sorted(members):
+        need = sum(size[x] for x in members[i])
+        if part and used + need > EXPOSED_MIB << 20:
+            parts.append(part)
+            part, used = [], 0
+        part += members[i]
+        used += need
+    return parts + ([part] if part else [])
 
 
 def _session_exposing(m: onnx.ModelProto, floats: list[str]):

@@ -84,6 +84,33 @@ def test_the_summary_says_what_each_number_measured(tiny_build):
         assert v["cuda_driver"] == v["driver"] == v["gpu"] == "not present"
 
 
+def test_the_summary_has_the_peak_resident_memory_of_the_build_and_of_each_stage_and_the_budget(tiny_build):
+    from tasks.common.memory import host_total_mib
+
+    _, s, _ = tiny_build
+    peaks = {k: e["peak_rss_mib"] for k, e in s["stages"].items() if "peak_rss_mib" in e}
+    assert set(peaks) == {"export", "partition", "build", "calibrate", "validate", "benchmark"}  # calibrate: skipped
+    assert all(100 < p < host_total_mib() for p in peaks.values()), peaks  # a Python process with its libraries
+    assert s["metrics"]["peak_rss_mib"] >= max(peaks.values())
+    assert 0 < s["memory"]["budget_mib"] < host_total_mib() and "available" in s["memory"]["budget_source"]
+
+
+def test_a_stage_past_the_memory_budget_fails_the_build_naming_the_stage_and_the_budget(prefect_harness,
+                                                                                         user_config_dir, tmp_path):
+    """The budget is below what a build's processes take to start with: the first stage is stopped, the build fails
+    (exit 1 from the CLI) with a summary and a failed MLflow run saying which stage and which budget."""
+    s = build(["model=tiny", "precision=fp32", "memory_budget_mib=256"], user_config_dir, tmp_path)
+    assert s["status"] == "failed"
+    e = s["stages"]["export"]
+    assert e["status"] == "failed" and "the export stage did not start" in e["reason"], e
+    assert "memory budget of 256 MiB (memory_budget_mib)" in e["reason"], e
+    assert "fix: give the build more memory with memory_budget_mib=N" in e["reason"], e
+    assert e["peak_rss_mib"] > 256
+    assert s["stages"]["partition"]["status"] == "skipped" and "peak_rss_mib" not in s["stages"]["partition"]
+    assert s["memory"] == {"budget_mib": 256, "budget_source": "memory_budget_mib"}
+    assert mlflow_run(s["mlflow"]["run_id"]).data.tags["status"] == "failed"
+
+
 def test_the_run_is_in_mlflow_with_tags_engine_summary_and_config(tiny_build):
     _, s, _ = tiny_build
     client = mlflow_client()
@@ -211,6 +238,8 @@ def cli(args, tmp: Path, timeout=600):
     (["model.name=../../evil"], 2, "not a safe name"),
     (["-m", "target=sm_99,sm_98"], 2, "valid targets"),
     (["target=sm_80,sm_86"], 2, "add -m"),
+    (["memory_budget_mib=100"], 2, "memory_budget_mib=100 is too small"),
+    (["memory_budget_mib=99999999"], 2, "more than this host's memory"),
 ])
 def test_cli_bad_input_exits_nonzero_with_a_short_message_and_no_run(tmp_path, args, code, words):
     r = cli(args, tmp_path)

@@ -157,3 +157,26 @@ def test_a_masked_fill_before_the_softmax_keeps_nothing_fp32(tmp_path, mask):
         if t.name == "word":
             t.CopyFrom(nh.from_array(nh.to_array(t) * 200.0, "word"))
     assert "scores" in fp16_hazards_from_data(scaled, [big])[0]
+
+
+def test_values_too_large_to_expose_at_once_are_judged_in_parts_with_the_same_verdicts(tmp_path, monkeypatch):
+    """A model whose float values take more than EXPOSED_MIB on a feed is run in parts (every exposed value stays alive
+    until its run ends); each subtraction's operands and result share a part, so range and cancellation verdicts are
+    those of one run exposing everything."""
+    import tasks.fp16.hazards as hazards
+
+    path = _layernorm_model(tmp_path / "ln.onnx", "moments")
+    m = onnx.load(str(path))
+    x = _offset_rows(32) * np.float32(3e4)  # values beyond fp16's range as well as cancelling moments
+    feeds = [{"x": x[:8]}, {"x": x[8:]}]
+    whole = hazards.fp16_hazards_from_data(m, feeds, underflow=True)
+    assert whole[0] and whole[1], whole  # both checks have something to say
+    floats = hazards._float_values(m.graph)
+    subs = [n for n in m.graph.node if n.op_type in ("Sub", "Add") and len(n.input) == 2 and all(n.input)]
+    assert hazards._exposed_parts(m, floats, subs, feeds) == [floats]  # small: one part, one run per feed
+    monkeypatch.setattr(hazards, "EXPOSED_MIB", 0)  # every group of values in a part of its own
+    parts = hazards._exposed_parts(m, floats, subs, feeds)
+    assert len(parts) > 2 and sorted(sum(parts, [])) == sorted(floats)
+    for n in subs:  # a subtraction's three values together
+        assert len({i for i, p in enumerate(parts) for v in (*n.input, n.output[0]) if v in p}) == 1, n.output[0]
+    assert hazards.fp16_hazards_from_data(m, feeds, underflow=True) == whole

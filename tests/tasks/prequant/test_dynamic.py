@@ -83,6 +83,64 @@ def test_1d_conv_integer_dequantizes_to_one_tensorrt_graph_matching_the_shipped_
     assert r.metrics["trt_subgraphs"] == 1 and r.details["fallback_nodes"] == [], (r.metrics, r.details["fallback_nodes"])
 
 
+def with_int32_bias(m: onnx.ModelProto) -> onnx.ModelProto:
+    """quantize_dynamic's Conv with a float bias added after the output scale, rewritten to the form older ONNX Runtime
+    quantizers (and models shipped with them, e.g. Kokoro TTS) wrote: the bias rounded at run time to the int32
+    product's scale and added before the Cast, Add(ConvInteger, Reshape(Cast(Floor(Div(b, scale_x * scale_w)))))."""
+    g = m.graph
+    by_out = {o: n for n in g.node for o in n.output}
+    for add in [n for n in g.node if n.op_type == "Add" and n.input[0] in by_out and by_out[n.input[0]].op_type == "Mul"]:
+        mul = by_out[add.input[0]]
+        cast = by_out[mul.input[0]]
+        conv = by_out[cast.input[0]]
+        reshape = by_out[add.input[1]]
+        b, shape, scale = reshape.input[0], reshape.input[1], mul.input[1]
+        p = conv.output[0] + "_b"
+        nodes = [helper.make_node("Div", [b, scale], [p + "_div"]), helper.make_node("Floor", [p + "_div"], [p + "_floor"]),
+                 helper.make_node("Cast", [p + "_floor"], [p + "_int"], to=T.INT32),
+                 helper.make_node("Reshape", [p + "_int", shape], [p + "_reshaped"]),
+                 helper.make_node("Add", [conv.output[0], p + "_reshaped"], [p + "_added"])]
+        for n in nodes[::-1]:
+            g.node.insert(list(g.node).index(cast), n)
+        cast.input[0] = p + "_added"
+        mul.output[0] = add.output[0]
+        g.node.remove(add)
+        g.node.remove(reshape)
+    return m
+
+
+def test_1d_conv_integer_with_an_int32_bias_before_the_scale_dequantizes(tmp_path):
+    """A Conv1d whose bias is quantized at run time to the output's int32 scale and added before the Cast (80 of a
+    shipped TTS model's 87 ConvIntegers) becomes a float Conv with that bias, within dynamic quantization's error of
+    the model as shipped."""
+    from onnxruntime.quantization import quantize_dynamic
+
+    quantize_dynamic(str(conv1d_model(tmp_path / "float.onnx", False)), str(tmp_path / "dynamic.onnx"),
+                     op_types_to_quantize=["Conv"])
+    shipped = with_int32_bias(onnx.load(str(tmp_path / "dynamic.onnx")))
+    onnx.save(shipped, str(tmp_path / "int32_bias.onnx"))
+    conv = next(n for n in shipped.graph.node if n.op_type == "ConvInteger" and n.output[0].startswith("c1"))
+    assert [n.op_type for n in shipped.graph.node if conv.output[0] in n.input] == ["Add"]  # the bias before the Cast
+
+    deq, stats = trt_from_prequantized(shipped, dequantize_dynamic=True)
+    assert stats["dequantized_dynamic"] == 2 and stats["dynamic_left"] == 0, stats
+    ops = [n.op_type for n in deq.graph.node]
+    assert not {"ConvInteger", "DynamicQuantizeLinear", "Floor"} & set(ops), ops
+    convs = [n for n in deq.graph.node if n.op_type == "Conv"]
+    assert sorted(len(n.input) for n in convs) == [2, 3]  # the bias is the float Conv's own, b1
+    assert "b1" in next(n for n in convs if len(n.input) == 3).input
+    onnx.save(deq, str(tmp_path / "float_from_dynamic.onnx"))
+
+    rng = np.random.default_rng(2)
+    shipped_s, float_s = ort_session(tmp_path / "int32_bias.onnx"), ort_session(tmp_path / "float_from_dynamic.onnx")
+    exact = ort_session(tmp_path / "float.onnx")
+    for t in (16, 100):
+        feed = {"x": rng.standard_normal((2, 4, t)).astype(np.float32)}
+        a, b, f = ort_run(shipped_s, feed)["y"], ort_run(float_s, feed)["y"], ort_run(exact, feed)["y"]
+        assert cosine(a, b) >= 0.999, cosine(a, b)
+        assert cosine(b, f) >= 0.9995, cosine(b, f)  # the float model it was quantized from (weights rounded to 8 bits)
+
+
 def test_what_is_left_native_is_said_with_the_reason(tmp_path):
     """A ConvInteger whose weight zero point is computed in the graph is not the quantize_dynamic pattern: it stays
     native (never dequantized with a guessed zero point) and the reason is recorded."""
