@@ -24,6 +24,15 @@ REFINE_JUDGEMENTS = 12  # whole judgements the screened refinement spends at mos
 # candidates instead cut minilm's int8 FLOPs from 63% to 56% and PP-OCRv6 rec's from 67% to 42% (their largest layers
 # are their most sensitive)
 
+def planned_judgements(layers: int) -> int:
+    """The whole judgements one search may make on ``layers`` layers, counted as candidates its figure is chosen from
+    (tasks/accuracy/budget.py): every layer quantized and the ranges raced against it (2), the binary search over the
+    restored prefix (log2 of layers + 1), the refinement (REFINE_JUDGEMENTS)."""
+    import math
+
+    return 2 + math.ceil(math.log2(max(layers, 1) + 1)) + REFINE_JUDGEMENTS
+
+
 SKIP_LOSS = 2.0  # a refinement candidate is judged while its screened loss is at most this many times the margin left
 
 

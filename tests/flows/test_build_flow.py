@@ -323,6 +323,14 @@ def test_int8_from_calibration_data_is_quantized_validated_and_cached_across_tar
     # the search judges its 3 held-out samples and (up to 8 of) the calibration samples
     assert "held out for the accuracy search" in search["source"] and m["search_samples"] == 3 + 6
     assert m["calibration_samples"] == 6
+    # the margin derived from the search's rule: 3 held-out of 9 judged samples, the candidates a search on 2 layers
+    # may judge, 3 validation samples (tasks/accuracy/budget.py)
+    from tasks.accuracy.budget import derived_margin
+    from tasks.search.judging import JUDGE_Z
+    from tasks.search.restore import planned_judgements
+    assert m["search_candidates"] == planned_judgements(2)
+    assert m["search_margin"] == pytest.approx(derived_margin(3, 9, planned_judgements(2), 3, JUDGE_Z))
+    assert m["search_target"] == pytest.approx(0.98 + 0.02 * m["search_margin"])
     run = mlflow_run(s["mlflow"]["run_id"])
     assert run.data.tags["validation.data"].startswith("3 samples: samples held out for validation")
     # the precision boundaries beside the FLOPs shares: at least the graph's fp32 input and output cross into and out
