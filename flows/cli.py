@@ -114,6 +114,10 @@ def print_summary(summary: dict, seconds: float) -> None:
         from tasks.trt import describe
 
         c.print(f"  flops    {describe(m)} (estimated on the TensorRT network)", markup=False)
+    if "reformat_layers" in m:
+        from tasks.trt import describe_boundaries
+
+        c.print(f"  reformat {describe_boundaries(m)}", markup=False)
     c.print(f"  summary  {summary['out_dir']}/summary.json")
     run = summary.get("mlflow") or {}
     if run:

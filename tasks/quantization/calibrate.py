@@ -164,6 +164,8 @@ def _stage_result(s: SearchState, files: dict, reused: bool, prep_info: dict, ke
             "method": s.method,
             # layers whose activation range the search took from another method (percentile/minmax) than method's
             "range_choice": s.range_choice,
+            # layers kept in high precision between quantized ones, judged back to save precision boundaries
+            "boundary_choice": s.boundary_choice,
             "calibration_reused": reused,
             "precision": s.precision,
             "high_precision": s.high_precision,

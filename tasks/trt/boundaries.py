@@ -180,7 +180,9 @@ def describe_boundaries(metrics: dict) -> str | None:
         return None
     mb = metrics.get("reformat_bytes")
     size = f", {mb / 2**20:.2f} MiB at the opt shape" if mb is not None else ""
-    return f"{metrics['reformat_layers']} precision boundaries (reformats){size}: {metrics['reformat_source']}"
+    where = ("read from the engine" if metrics.get("reformat_source", "").startswith("the engine")
+             else "estimated on the TensorRT network")
+    return f"{metrics['reformat_layers']} precision boundaries{size} ({where})"
 
 
 def reformats_from_engine_info(info: str) -> dict:
