@@ -14,6 +14,14 @@ Add inputs; ModelOpt: its default TensorRT placement) is scored by cosine to fp3
 a child process: it patches ONNX Runtime's calibrators in the process that imports it.
 
     .venv/bin/python benchmarks/bench_calibrate.py [--samples 8] [--size 640] [--quick] [--no-modelopt]
+    .venv/bin/python benchmarks/bench_calibrate.py --stage det24,det_v5   # the calibrate stage as a user runs it
+
+``--stage``: the calibrate stage as users run it, through the CLI (`python -m flows.build`, int8, sm_86,
+accuracy.min_cosine=0.99, the benchmark stage off), on 24 rendered text pages given as `calibration.data` alone (a folder
+of .npz files: the build splits them into calibration, the search's held-out set and validation). Cases: `det24`
+(PP-OCRv4 det, conf/model/ppocr_det) and `det_v5` (PP-OCRv5 mobile det, benchmarks/zoo/model/ppocr_det_v5.yaml; needs
+`benchmarks/zoo.py --install`). Prints the calibrate stage's seconds, its whole-model runs, the search's figure against
+validation's, the int8 FLOPs share and the precision boundaries. Single runs on a shared host: indicative only.
     .venv/bin/pip install --no-deps -r benchmarks/modelopt-requirements.txt   # for the ModelOpt table
 """
 from __future__ import annotations
@@ -208,6 +216,58 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
+STAGE_CASES = {"det24": [], "det_v5": ["--config-dir", "benchmarks/zoo"]}  # extra CLI arguments per case
+STAGE_MODELS = {"det24": "ppocr_det", "det_v5": "ppocr_det_v5"}
+
+
+def stage_case(case: str, pages: int, size: int, tmp: Path) -> dict:
+    """One ``--stage`` case: the build's summary.json, with the wall time of the whole CLI run."""
+    import json
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    data = tmp / f"pages_{pages}_{size}"
+    if not data.is_dir():
+        data.mkdir(parents=True)
+        rng = np.random.default_rng(0)
+        for i in range(pages):
+            np.savez(data / f"page{i:02d}.npz", x=preprocess([render_text_image(size, size, rng)], RECIPE))
+    run = tmp / case
+    cmd = [sys.executable, "-m", "flows.build", *STAGE_CASES[case], f"model={STAGE_MODELS[case]}", "precision=int8",
+           "target=sm_86", "accuracy.min_cosine=0.99", f"calibration.data={data}", "stages.benchmark=false",
+           f"cache_dir={run / 'cache'}", f"out_dir={run / 'out'}", f"summary_out={run / 'summary.json'}"]
+    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{run / 'mlflow.db'}", PREFECT_HOME=str(run / "prefect"),
+               PREFECT_SERVER_ANALYTICS_ENABLED="false", MLFLOW_DISABLE_TELEMETRY="true", DO_NOT_TRACK="true")
+    run.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if not (run / "summary.json").is_file():
+        raise SystemExit(f"{case}: no summary (exit {proc.returncode}): {proc.stderr[-1500:]}")
+    return {**json.loads((run / "summary.json").read_text()), "wall": wall}
+
+
+def stage_table(cases: list[str], pages: int, size: int) -> None:
+    print(f"the calibrate stage as users run it: {pages} text pages of {size}x{size} as calibration.data alone, "
+          f"min_cosine 0.99, sm_86; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f} (shared host: indicative)")
+    print(f"{'case':<8} {'status':<7} {'cal s':>6} {'wall s':>7} {'runs':>5} {'sets':>9} {'margin':>7} {'search':>8} "
+          f"{'valid.':>8} {'int8 FLOPs':>10} {'conv int8':>9} {'reformats':>9}")
+    with tempfile.TemporaryDirectory(prefix="trtforge-bench-stage-") as tmp:
+        for case in cases:
+            s = stage_case(case, pages, size, Path(tmp))
+            m, d = s.get("metrics", {}), s.get("data", {})
+            sets = "/".join(str((d.get(k) or {}).get("samples", "-")) for k in ("calibration", "search", "validation"))
+
+            def f(k, spec):
+                return format(m[k], spec) if isinstance(m.get(k), (int, float)) else "-"
+            share = m.get("flops_share", {}).get("int8")
+            print(f"{case:<8} {s['status']:<7} {s['stages'].get('calibrate', {}).get('seconds', 0):>6.1f} "
+                  f"{s['wall']:>7.1f} {f('search_runs', 'd'):>5} {sets:>9} {f('search_margin', '.3f'):>7} "
+                  f"{f('search_cosine', '.5f'):>8} {f('cosine_min', '.5f'):>8} "
+                  f"{'-' if share is None else format(share, '.1%'):>10} {f('conv_int8_share', '.1%'):>9} "
+                  f"{f('reformat_layers', 'd'):>9}")
+
+
 def main() -> int:
     import logging
 
@@ -219,7 +279,16 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="skip ORT's 2048-bin entropy (about 90 s), the budget search "
                     "and ModelOpt's fp16 run")
     ap.add_argument("--no-modelopt", action="store_true", help="skip the ranges vs ModelOpt table")
+    ap.add_argument("--stage", help=f"comma list of {', '.join(STAGE_CASES)}: the calibrate stage through the CLI on "
+                    "--pages rendered pages as calibration.data alone (instead of the tables above)")
+    ap.add_argument("--pages", type=int, default=24, help="--stage: pages given as calibration.data")
     args = ap.parse_args()
+    if args.stage:
+        unknown = [c for c in args.stage.split(",") if c not in STAGE_CASES]
+        if unknown:
+            ap.error(f"--stage: unknown case(s) {', '.join(unknown)}; known: {', '.join(STAGE_CASES)}")
+        stage_table(args.stage.split(","), args.pages, args.size)
+        return 0
     rng = np.random.default_rng(0)
     feeds = [{"x": preprocess([render_text_image(args.size, args.size, rng)], RECIPE)} for _ in range(args.samples)]
     held = [{"x": preprocess([render_text_image(args.size, args.size, rng)], RECIPE)} for _ in range(args.held)]

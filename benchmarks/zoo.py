@@ -488,6 +488,9 @@ def build_models(names: list[str], precisions: list[str], target: str, tmp: Path
             m = summary.get("metrics", {})
             row["status"] = summary["status"]
             row.update({k: m.get(k) for k in ("cosine_min", "trt_subgraphs", "fallback_nodes", "peak_rss_mib")})
+            row.update({k: m[k] for k in SEARCH_KEYS if k in m})  # int8/fp8: the search's figure beside validation's
+            if (summary["stages"].get("calibrate") or {}).get("seconds") is not None:
+                row["calibrate_seconds"] = summary["stages"]["calibrate"]["seconds"]
             # the shipped engines' numbers (an int8/fp8 summary keeps its fp16 baseline's under baseline_*)
             row["build_seconds"] = m.get("build_seconds")
             row["engine_bytes"] = m.get("engine_bytes")
@@ -529,6 +532,13 @@ def model_bytes(name: str, overrides=()) -> int | None:
     return path.stat().st_size + sum((path.parent / f).stat().st_size for f in data if (path.parent / f).is_file())
 
 
+# the accuracy search's figures, the FLOPs shares and the precision boundaries, kept in --json rows
+SEARCH_KEYS = ("search_cosine", "search_cosine_bound", "search_cosine_worst_feed", "search_samples",
+               "calibration_samples", "search_runs", "search_target", "search_margin", "search_judgements",
+               "validate_samples", "flops_share", "conv_int8_share", "quantized_layers", "fallback_layers",
+               "reformat_layers", "reformat_bytes", "reformat_source")
+
+
 def fmt(v, spec: str) -> str:
     return "" if v is None else format(v, spec)
 
@@ -562,6 +572,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="form of the random int8 calibration data for models without an images recipe: 'batch' (the "
                          "input's own rank, samples along axis 0, as users hold data) or 'stacked' (a stack of batches)")
     ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a Hydra override for every int8/fp8 build, e.g. calibration.budget_margin=0.5 (repeatable)")
     ap.add_argument("--keep", action="store_true", help="keep the temp folder (outputs, MLflow store)")
     args = ap.parse_args(argv)
     if args.install:
@@ -600,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
             if quantizable(name) is False:
                 continue
             rows += build_models([name], quantized, args.target, tmp, args.timeout,
-                                 calibration_data(name, args.calibration, tmp), source_overrides(name))
+                                 calibration_data(name, args.calibration, tmp), [*source_overrides(name), *args.set])
         order = {n: i for i, n in enumerate(names)}
         rows.sort(key=lambda r: order[r["model"]])
     finally:

@@ -120,6 +120,10 @@ def print_summary(summary: dict, seconds: float) -> None:
                     key=lambda x: x[1], default=None)
         c.print(f"  memory   peak {m['peak_rss_mib']:.0f} MiB resident" + (f" ({stage[0]} stage)" if stage else "") +
                 (f", budget {mem['budget_mib']} MiB" if "budget_mib" in mem else ""), markup=False)
+    if "reformat_layers" in m:
+        from tasks.trt import describe_boundaries
+
+        c.print(f"  reformat {describe_boundaries(m)}", markup=False)
     c.print(f"  summary  {summary['out_dir']}/summary.json")
     run = summary.get("mlflow") or {}
     if run:

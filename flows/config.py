@@ -217,8 +217,9 @@ def check_settings(cfg: DictConfig, config_dir: str | None) -> None:
 def check_numbers(cfg: DictConfig, config_dir: str | None) -> None:
     """Numbers inside their ranges, and the accuracy metric loadable with its settings."""
     cal = cfg.calibration
-    if not 0.0 <= cal.budget_margin < 1.0:
-        raise ConfigError(f"calibration.budget_margin={cal.budget_margin} is outside [0, 1)", fix="e.g. 0.25")
+    if cal.budget_margin is not None and not 0.0 <= cal.budget_margin < 1.0:
+        raise ConfigError(f"calibration.budget_margin={cal.budget_margin} is outside [0, 1)",
+                          fix="e.g. 0.5, or leave it unset (null) to derive it from the samples")
     if cal.samples < 1:
         raise ConfigError(f"calibration.samples={cal.samples} must be at least 1", fix="e.g. calibration.samples=32")
     if not -1.0 <= cfg.accuracy.min_cosine <= 1.0:

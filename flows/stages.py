@@ -136,9 +136,9 @@ def _build_engines(ctx: BuildContext) -> StageResult:
     # graph as converted missed the budget in validate (fp16_search_due), so builds that meet it pay nothing for it
     held = ctx.data.search if ctx.fp16_search and fp16_searchable(ctx) else None
     # judged by accuracy.metric as the int8 search judges (cosine: pooled, less one standard error, which already widens
-    # for few samples): the margin as given, not grown for few samples (a static profile's generated search set is one
-    # sample: the grown margin asked for cosine 1.0)
-    goal = search_goal(ctx, segs, None, stage="build") if held is not None else None
+    # for few samples): the margin as given (calibration.budget_margin, else FIXED_MARGIN), not grown for few samples
+    # nor derived (a static profile's generated search set is one sample: the grown margin asked for cosine 1.0)
+    goal = search_goal(ctx, segs, None, stage="build", margin=fixed_margin(ctx)) if held is not None else None
     target = goal.target if goal is not None else None
     parts = key_parts(ctx, "build", segments=[(sha256_file(s["onnx"]), s["profiles"]) for s in segs], precision=precision,
                       label=label, backend=ctx.backend.version, range_data=ranged.key if ranged else None,
@@ -234,10 +234,12 @@ def _calibrate(ctx: BuildContext) -> StageResult:
     p, c = ctx.cfg.precision, ctx.cfg.calibration
     cal, held = ctx.data.calibration, ctx.data.search
     segs, plan, model = trt_segments(ctx), ctx.results["partition"].details, ctx.results["export"].files["onnx"]
-    # the margin grows when few samples judge the search (held-out and calibration samples,
-    # tasks.accuracy.budget.judged_samples)
+    # the margin from the held-out and judged samples (tasks.accuracy.budget.judged_samples), the candidates the search
+    # may judge and validation's samples (tasks/accuracy/budget.py), unless calibration.budget_margin is given
     judged = judged_samples(held.distinct if held else 0, cal.distinct)
-    goal = search_goal(ctx, segs, judged) if c.search else None
+    from tasks.quantization.qdq import QUANT_OPS
+    margin = margin_of(ctx, segs, held.distinct if held else 0, judged, QUANT_OPS) if c.search else None
+    goal = search_goal(ctx, segs, judged, margin=margin) if c.search else None
     target = goal.target if goal is not None else None
     q_parts = key_parts(ctx, "calibrate-qdq", segments=[sha256_file(s["onnx"]) for s in segs], calibration=cal.key,
                         search=held.key if held else None, min_cosine=target)
@@ -289,10 +291,32 @@ def _calibrate(ctx: BuildContext) -> StageResult:
     files = {**e.files, **{f"onnx{s['index']}": q.files[f"qdq{s['index']}"] for s in segs},
              **{k: v for k, v in q.files.items() if k.startswith("sensitivity")}}
     details = {"engines": [{**x, "onnx": q.files[f"qdq{x['segment']}"].name} for x in e.details["engines"]],
-               "quantization": q.details}
+               "quantization": q.details, **({"search_margin": margin.words} if margin is not None else {})}
     warn_all(ctx, "calibrate", [w for w in (low_share_warning(q.details["segments"], p.name),
                                             unreached_warning(q.details["segments"])) if w])
-    return StageResult(files=files, metrics={**q.metrics, **e.metrics}, details=details)
+    aim = {"search_target": target, **margin.metrics()} if goal is not None and "search_runs" in q.metrics else {}
+    return StageResult(files=files, metrics={**q.metrics, **e.metrics, **aim}, details=details)
+
+
+def margin_of(ctx: BuildContext, segs: list[dict], held: int, judged: int, ops: tuple[str, ...] | None = None):
+    """The search's margin (tasks.search.search_margin): the layers it chooses among counted as the ``ops`` nodes
+    (every node: None) of the largest segment."""
+    from tasks.graph.load import load_onnx
+    from tasks.search import search_margin
+
+    layers = max((sum(1 for n in load_onnx(Path(s["onnx"])).graph.node if ops is None or n.op_type in ops)
+                  for s in segs), default=1)
+    val = ctx.data.validation
+    return search_margin(ctx.cfg.calibration.budget_margin, held, judged, layers, val.distinct if val else None)
+
+
+def fixed_margin(ctx: BuildContext):
+    """fp16's search margin: calibration.budget_margin, else tasks.accuracy.budget.FIXED_MARGIN, as given."""
+    from tasks.accuracy.budget import FIXED_MARGIN
+    from tasks.search import search_margin
+
+    m = ctx.cfg.calibration.budget_margin
+    return search_margin(FIXED_MARGIN if m is None else m, 0, 0, 1, None)
 
 
 def accuracy_metric(ctx: BuildContext):
@@ -310,12 +334,15 @@ def metric_part(ctx: BuildContext, metric, **extra) -> dict:
     return {"settings": metric.settings(), **extra, **(fingerprint(ctx.cfg.accuracy, ctx.inputs.search) or {})}
 
 
-def search_goal(ctx: BuildContext, segs: list[dict], samples: int | None, stage: str = "calibrate"):
+def search_goal(ctx: BuildContext, segs: list[dict], samples: int | None, stage: str = "calibrate", margin=None):
     """The judge and target of the accuracy search (int8's in calibrate, fp16's in build; tasks/search/goal.py);
-    ``samples``: how many judge it (None: the margin as given). What it says is said once by ``stage``."""
+    ``samples``: how many judge it (None: the margin as given); ``margin`` (``margin_of``): the margin, derived or
+    calibration.budget_margin's. What it says is said once by ``stage``."""
     from tasks.search import search_goal as goal_of
 
-    goal = goal_of(accuracy_metric(ctx), ctx.cfg.accuracy.min_cosine, ctx.cfg.calibration.budget_margin, samples,
+    if margin is None:
+        margin = margin_of(ctx, segs, samples or 0, samples or 0)
+    goal = goal_of(accuracy_metric(ctx), ctx.cfg.accuracy.min_cosine, margin.share, None if margin.derived else samples,
                    segs if stage == "build" else None, [o["name"] for o in ctx.results["export"].details["outputs"]],
                    bool(ctx.results["partition"].details.get("hybrid")))
     if goal.warning:

@@ -212,5 +212,28 @@ def engines_for_segments(segments: list[dict], graphs: dict[int, Path], stem: st
                                    "onnx": Path(graphs[s["index"]]).name, "sha256": eng.details["sha256"]})
     files.update(prof.files)
     metrics.update(prof.metrics)
+    metrics.update(precision_boundaries(prof.metrics, [files[f"engine{s['index']}"] for s in segments],
+                                        compute_capability, backend))
     details["precision_profile"] = prof.details
+    if "reformat_layers" in metrics:
+        from tasks.trt.boundaries import describe_boundaries
+        details["precision_boundaries"] = describe_boundaries(metrics)
     return StageResult(files=files, metrics=metrics, details=details)
+
+
+def precision_boundaries(profile: dict, engines: list[Path], compute_capability: str, backend: Backend) -> dict:
+    """The precision boundaries a build reports (tasks/trt/boundaries.py): the estimate on the TensorRT network from
+    ``profile``, and where a GPU of the target is present, the engines' own reformat layers (summed over segments)."""
+    from tasks.trt.backend import gpu_for, no_gpu_reason
+    from tasks.trt.boundaries import reformats_from_engine, reported
+
+    if "network_reformat_layers" not in profile:
+        return {}
+    gpu = gpu_for(compute_capability)
+    if gpu is None:
+        return reported(profile, engine_reason=no_gpu_reason(compute_capability))
+    device = f"{gpu.name} (sm {gpu.compute_capability})"
+    read = [reformats_from_engine(Path(e).read_bytes(), backend, device) for e in engines]
+    sizes = [r["reformat_bytes"] for r in read]
+    return reported(profile, {"reformat_layers": sum(r["reformat_layers"] for r in read), "device": device,
+                              "reformat_bytes": None if None in sizes else sum(sizes)})

@@ -9,7 +9,7 @@ from tasks.prequant.fixes import accuracy_fix
 from tasks.quantization.calibrate import search_fix
 
 
-def validation_fix(prequantized: dict | None, search_metrics: dict | None, samples: int, budget_margin: float,
+def validation_fix(prequantized: dict | None, search_metrics: dict | None, samples: int, budget_margin: float | None,
                    searched: bool, metric_name: str) -> str | None:
     """``prequantized``: the quantization a model arrived with and kept; ``search_metrics``: calibrate's metrics (None
     when it did not run); ``samples``: validation's."""

@@ -211,6 +211,8 @@ def _stage_result(s: SearchState, files: dict, reused: bool, prep_info: dict, ke
             "method": s.method,
             # layers whose activation range the search took from another method (percentile/minmax) than method's
             "range_choice": s.range_choice,
+            # layers kept in high precision between quantized ones, judged back to save precision boundaries
+            "boundary_choice": s.boundary_choice,
             "calibration_reused": reused,
             "precision": s.precision,
             "high_precision": s.high_precision,
@@ -320,7 +322,7 @@ def low_share_warning(segments: list[dict], precision: str) -> str | None:
             f"the report ranks every layer")
 
 
-def search_fix(search: dict, validate_samples: int, budget_margin: float, searched: bool = True) -> str | None:
+def search_fix(search: dict, validate_samples: int, budget_margin: float | None, searched: bool = True) -> str | None:
     """How to fix an int8/fp8 build whose validation misses the budget that its accuracy search met: the search's
     figure and samples against validation's, and the two remedies. Without the search (``searched`` false:
     calibration.search=false, every layer quantized): what every layer quantized gave, and the search as the remedy.
@@ -336,4 +338,12 @@ def search_fix(search: dict, validate_samples: int, budget_margin: float, search
             f"samples, validation measured {validate_samples} other samples: the search's samples did not represent "
             f"them. Give more calibration samples (calibration.data: a quarter of them, up to 8, are held out for the "
             f"search, and up to {JUDGE_CALIBRATION} of the rest judge it too) or raise calibration.budget_margin (now "
-            f"{budget_margin:g}) so that the search keeps more layers in higher precision")
+            f"{_margin_words(search, budget_margin)}) so that the search keeps more layers in higher precision")
+
+
+def _margin_words(search: dict, budget_margin: float | None) -> str:
+    """The margin in use: as given, or derived (the search's ``search_margin`` metric)."""
+    if budget_margin is not None:
+        return f"{budget_margin:g}"
+    m = search.get("search_margin")
+    return f"unset: {m:.3f} derived from the samples" if m is not None else "unset: derived from the samples"

@@ -61,6 +61,7 @@ class SearchState:
     closest: list[dict] = field(default_factory=list)  # a refusal's closest layers, each judged alone
     range_choice: dict = field(default_factory=dict)
     search_runs: int = 0
+    boundary_choice: dict | None = None  # the layers judged back to save precision boundaries, and whether they met
     timing: dict = field(default_factory=dict)
     judged_refs: list[dict] = field(init=False)  # what a candidate's outputs are judged against, and on which inputs
     judged_inputs: list[Feed] = field(init=False)
@@ -126,6 +127,7 @@ def search_layers(s: SearchState) -> None:
         s.sensitivity = [{"node": n, "op": s.q.ops.get(n), "flops": flops.get(n)} for n in s.layers]
     else:  # restore layers to the high precision, most harmful per FLOP first, judged on held-out samples
         local, harm = restore_layers(s, local, rank_feeds, flops, clock)
+        fewer_boundaries(s)
     s.timing["search"] = time.perf_counter() - clock - sum(s.timing.values())
     judge_written_graph(s, harm)
     s.search_runs = s.scorer.runs
@@ -186,10 +188,37 @@ def restore_layers(s: SearchState, local: dict, rank_feeds: list[Feed], flops: d
         return {n: at - min(scorer.cosines([*base, n], rank_feeds[:HARM_FEEDS], rank_refs))
                 for n in candidates}  # the loss of quantizing each alone on top of base, same page
 
+    why: dict[str, str] = {}
     s.chosen, _ = restore_search(layers, meets, harm, flops, screen=screen,
-                                 slack=lambda: met[-1] - goal if met else None)
-    s.sensitivity = [{"node": n, "op": s.q.ops.get(n), "flops": flops.get(n)} for n in layers]
+                                 slack=lambda: met[-1] - goal if met else None, why=why)
+    s.sensitivity = [{"node": n, "op": s.q.ops.get(n), "flops": flops.get(n),
+                      **({"kept_because": why[n]} if n in why else {})} for n in layers]
     return local, harm
+
+
+def fewer_boundaries(s: SearchState) -> None:
+    """Of two choices that meet the target, the one with fewer precision boundaries: the layers the search kept in
+    high precision between quantized neighbours only (tasks/quantization/boundaries.py: each costs a reformat on either
+    side) are judged back together, once; where the whole still meets the target it replaces the search's choice
+    (more layers quantized, fewer boundaries), else the choice stays. ``s.boundary_choice`` says which."""
+    from tasks.quantization.boundaries import isolated_restored
+
+    back = isolated_restored(s.q.base.graph, s.layers, s.chosen) if s.chosen else []
+    if not back:
+        return
+    wider = [n for n in s.layers if n in set(s.chosen) | set(back)]
+    kept = s.scorer.meets(wider, float(s.min_cosine))
+    s.boundary_choice = {"layers": back, "met": kept}
+    if kept:
+        s.chosen = wider
+        for row in s.sensitivity:
+            if row["node"] in set(back):
+                row.pop("kept_because", None)
+    else:
+        for row in s.sensitivity:
+            if row["node"] in set(back):
+                row["kept_because"] = (row.get("kept_because", "") + "; judged back with the other layers between "
+                                       "quantized ones, to save their precision boundaries: the target was missed")
 
 
 def judge_written_graph(s: SearchState, harm: dict) -> None:

@@ -243,9 +243,22 @@ def _precision_profile(s: dict, out_dir: Path) -> str:
              num("summary", f"metrics.flops_share.{p}", v, f"{100 * v:.2f} %")] for p, v in share.items()
             if isinstance(v, (int, float))]
     return ("<h2>Precision profile</h2><p>share of the network's estimated FLOPs computed at each precision</p>"
-            f"<p>{bar}</p>" + table(["precision", "share of FLOPs"], rows, numeric=[1])
+            f"<p>{bar}</p>" + table(["precision", "share of FLOPs"], rows, numeric=[1]) + _boundaries(s)
             + (img(out_dir / "precision_profile.png", "FLOPs per layer and precision, estimated on the TensorRT network")
                if (out_dir / "precision_profile.png").is_file() else ""))
+
+
+def _boundaries(s: dict) -> str:
+    """The precision boundaries (reformats) beside the FLOPs shares: what was measured and on what."""
+    m = s.get("metrics", {})
+    if "reformat_layers" not in m:
+        return ""
+    size = m.get("reformat_bytes")
+    mib = (" carrying " + num("summary", "metrics.reformat_bytes", size, f"{size / 2**20:.2f} MiB") + " at the opt shape"
+           if isinstance(size, (int, float)) else "")
+    return (f"<p>precision boundaries (each a reformat on the GPU): "
+            f"{num('summary', 'metrics.reformat_layers', m['reformat_layers'], str(m['reformat_layers']))}{mib}; "
+            f"{esc(str(m.get('reformat_source', '')))}</p>")
 
 
 def _benchmark(s: dict, b: dict | None, out_dir: Path) -> str:

@@ -60,8 +60,8 @@ def held_back(segments: list[dict], top: int = 3) -> tuple[float, list[dict]] | 
         return None
     share = sum(r["flops"] for r in rows if r.get("quantized")) / total
     kept = sorted((r for r in rows if not r.get("quantized")), key=lambda r: -r["flops"])[:top]
-    return share, [{"node": r["node"], "flops_share": r["flops"] / total, "local_error": r.get("local_error")}
-                   for r in kept]
+    return share, [{"node": r["node"], "flops_share": r["flops"] / total, "local_error": r.get("local_error"),
+                    "kept_because": r.get("kept_because")} for r in kept]
 
 
 def held_back_table(sens: dict | None) -> str:
@@ -75,6 +75,7 @@ def held_back_table(sens: dict | None) -> str:
     share, kept = held
     return (f"<p>{share:.1%} of the Conv/MatMul/Gemm FLOPs are quantized (FLOPs counted on the ONNX graph at the "
             f"shape of the search's first sample); the layers kept in higher precision that hold the most back:</p>"
-            + table(["layer", "share of the FLOPs", "its own output error, quantized alone"],
+            + table(["layer", "share of the FLOPs", "its own output error, quantized alone", "why kept"],
                     [[esc(r["node"]), f"{r['flops_share']:.1%}",
-                      "n/m" if r["local_error"] is None else f"{r['local_error']:.3g}"] for r in kept], numeric=[1, 2]))
+                      "n/m" if r["local_error"] is None else f"{r['local_error']:.3g}",
+                      esc(r.get("kept_because") or "")] for r in kept], numeric=[1, 2]))

@@ -3,4 +3,5 @@ from tasks.common.exports import lazy
 
 __getattr__, __dir__, __all__ = lazy(__name__, {
     "search_goal": "goal",
+    "search_margin": "goal",
 })

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tasks.accuracy.budget import search_target
+from tasks.accuracy.budget import derived_margin, search_target
 from tasks.accuracy.metric import Metric, SearchJudge
 
 
@@ -37,6 +37,43 @@ def search_goal(metric: Metric, min_cosine: float, budget_margin: float, samples
         judge = Metric(min_cosine=min_cosine).judge(margin)
     target = search_target(min_cosine, budget_margin, samples) if judge.name == "cosine" else judge.target
     return SearchGoal(judge, target, warning)
+
+
+@dataclass(frozen=True)
+class SearchMargin:
+    """The share of the allowed error the search keeps in reserve, and what it was derived from."""
+    share: float
+    derived: bool  # from the samples and candidates (tasks/accuracy/budget.py), else calibration.budget_margin
+    held_out: int
+    judged: int
+    candidates: int
+    validated: int | None
+
+    def metrics(self) -> dict:
+        return {"search_margin": self.share, "search_candidates": self.candidates}
+
+    @property
+    def words(self) -> str:
+        if not self.derived:
+            return f"calibration.budget_margin={self.share:g} of the allowed error, as given"
+        return (f"{self.share:.3f} of the allowed error, derived from {self.held_out} held-out of {self.judged} judged "
+                f"samples, up to {self.candidates} candidates judged"
+                + (f" and {self.validated} validation samples" if self.validated else ""))
+
+
+def search_margin(budget_margin: float | None, held_out: int, judged: int, layers: int,
+                  validated: int | None) -> SearchMargin:
+    """The search's margin: ``budget_margin`` as given (then grown for few judged samples by ``search_goal``), or when
+    None derived from the held-out and judged samples, the candidates a search on ``layers`` layers may judge and
+    validate's samples (tasks.accuracy.budget.derived_margin)."""
+    from tasks.search.judging import JUDGE_Z
+    from tasks.search.restore import planned_judgements
+
+    k = planned_judgements(layers)
+    if budget_margin is not None:
+        return SearchMargin(float(budget_margin), False, held_out, judged, k, validated)
+    return SearchMargin(derived_margin(held_out or judged, judged, k, validated, JUDGE_Z), True, held_out, judged, k,
+                        validated)
 
 
 def _whole_model(segments: list[dict], model_outputs: list[str], hybrid: bool) -> bool:

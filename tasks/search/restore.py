@@ -24,6 +24,16 @@ REFINE_JUDGEMENTS = 12  # whole judgements the screened refinement spends at mos
 # candidates instead cut minilm's int8 FLOPs from 63% to 56% and PP-OCRv6 rec's from 67% to 42% (their largest layers
 # are their most sensitive)
 
+def planned_judgements(layers: int) -> int:
+    """The whole judgements one search may make on ``layers`` layers, counted as candidates its figure is chosen from
+    (tasks/accuracy/budget.py): every layer quantized and the ranges raced against it (2), the binary search over the
+    restored prefix (log2 of layers + 1), the refinement (REFINE_JUDGEMENTS) and the choice with fewer precision
+    boundaries (1: tasks/quantization/layer_search.py ``fewer_boundaries``)."""
+    import math
+
+    return 3 + math.ceil(math.log2(max(layers, 1) + 1)) + REFINE_JUDGEMENTS
+
+
 SKIP_LOSS = 2.0  # a refinement candidate is judged while its screened loss is at most this many times the margin left
 
 
@@ -32,7 +42,7 @@ def restore_search(layers: list[str], meets: Callable[[list[str]], bool], harm: 
                    refine_share: float = 0.005,
                    screen: Callable[[list[str], list[str]], dict[str, float]] | None = None,
                    slack: Callable[[], float | None] | None = None,
-                   judgements: int = REFINE_JUDGEMENTS) -> tuple[list[str], int]:
+                   judgements: int = REFINE_JUDGEMENTS, why: dict[str, str] | None = None) -> tuple[list[str], int]:
     """The layers to quantize, searched from every layer quantized towards fewer: layers are restored to the high
     precision in order of ``harm`` (the accuracy a layer costs, measured or estimated) per FLOP kept out of the
     quantized type, most harmful first; the shortest restored prefix whose complement ``meets`` the budget is found by
@@ -47,8 +57,10 @@ def restore_search(layers: list[str], meets: Callable[[list[str]], bool], harm: 
     each) the candidates are re-ranked by that loss per FLOP in the configuration the binary search found, and the
     greedy pass over that order judges runs of candidates together (``_take_back_screened``), spending at most
     ``judgements`` of them. Every layer taken back is confirmed by a whole judgement, so the budget holds as without
-    the screen; fewer judgements decide."""
+    the screen; fewer judgements decide. ``why``, if given, gets each layer left restored with the reason in words
+    (the report's "why kept")."""
     flops = flops or {}
+    why = why if why is not None else {}
     order = sorted(layers, key=lambda n: -harm.get(n, 0.0) / max(flops.get(n) or 1.0, 1.0))
     judge = _Judge(layers, meets)
     memo: dict[int, bool] = {}
@@ -68,12 +80,17 @@ def restore_search(layers: list[str], meets: Callable[[list[str]], bool], harm: 
     total = sum(flops.get(n) or 0.0 for n in layers) or 1.0
     big = [n for n in restored if (flops.get(n) or 0.0) >= refine_share * total]
     big = sorted(big, key=lambda n: -(flops.get(n) or 0.0))[:refine]
+    for n in restored - set(big):
+        why[n] = (f"restored by the binary search over the layers ranked by error per FLOP; not tried back (below "
+                  f"{refine_share:.1%} of the FLOPs, or not among the {refine} largest restored)")
     if screen is None or len(big) < 2:
         for n in big:
             if judge.ok(restored - {n}):
                 restored.discard(n)
+            else:
+                why[n] = "tried back alone on top of the layers quantized: the target was missed"
         return [n for n in layers if n not in restored], judge.runs
-    restored = _take_back_screened(layers, restored, big, judge, screen, flops, slack, judgements)
+    restored = _take_back_screened(layers, restored, big, judge, screen, flops, slack, judgements, why)
     return [n for n in layers if n not in restored], judge.runs
 
 
@@ -90,7 +107,8 @@ class _Judge:
 
 def _take_back_screened(layers: list[str], restored: set[str], big: list[str], judge: _Judge,
                         screen: Callable[[list[str], list[str]], dict[str, float]], flops: dict[str, float],
-                        slack: Callable[[], float | None] | None, judgements: int) -> set[str]:
+                        slack: Callable[[], float | None] | None, judgements: int,
+                        why: dict[str, str]) -> set[str]:
     """``restored`` less the candidates ``big`` taken back, re-ranked by their screened loss per FLOP on top of the
     layers quantized, judged in runs whose losses add up to ``slack()``, at most ``judgements`` judgements."""
     loss = screen([n for n in layers if n not in restored], big)
@@ -107,6 +125,10 @@ def _take_back_screened(layers: list[str], restored: set[str], big: list[str], j
         if left is not None and left >= 0:  # a candidate whose screened loss is far beyond the margin left is not
             # judged (a narrowly failing judgement runs most feeds before it is refused: PP-OCRv4 det, 9 of them after
             # the margin fell to 2e-5, 18 s)
+            for n in cand[i:]:
+                if loss.get(n, 0.0) > SKIP_LOSS * left:
+                    why[n] = (f"its loss quantized on top of the layers quantized ({loss[n]:.2g}, screened on one "
+                              f"sample) is more than {SKIP_LOSS:g}x the margin left ({left:.2g}): not judged back")
             cand[i:] = [n for n in cand[i:] if loss.get(n, 0.0) <= SKIP_LOSS * left]
             if i >= len(cand):
                 break
@@ -125,7 +147,12 @@ def _take_back_screened(layers: list[str], restored: set[str], big: list[str], j
             continue
         lo, _ = _bisect(0, k, lambda m: not back(m))  # back(0) meets (the last judgement), back(k) does not
         restored -= set(rest[:lo])
+        why[rest[lo]] = "judged back on top of the layers quantized: the target was missed"
         i += lo + 1  # rest[lo] fails on top of rest[:lo]
+    for n in cand[i:]:
+        if n in restored:
+            why.setdefault(n, f"not judged back: the refinement's {judgements} judgements were spent on candidates "
+                              f"with less loss per FLOP")
     return restored
 
 

@@ -8,6 +8,7 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "backend_for_target": "backend",
     "cuda_versions": "cuda",
     "describe": "network",
+    "describe_boundaries": "boundaries",
     "gpu_for": "backend",
     "host_gpus": "backend",
     "installed_version": "backend",

@@ -43,14 +43,25 @@ NO_FLOPS = ("CONSTANT", "SHUFFLE", "SLICE", "CONCATENATION", "GATHER", "CAST", "
 
 def precision_profile_from_onnx(onnx_paths: list[Path], profiles: list[dict], backend) -> dict[str, Any]:
     """The precision profile of the engine(s) built from ``onnx_paths`` (one per TensorRT segment, each with its own
-    optimization profiles; the first profile's opt shape is used). Returns ``metrics`` and per-layer ``layers``."""
+    optimization profiles; the first profile's opt shape is used). Returns ``metrics`` and per-layer ``layers``; where
+    a layer computes in int8/fp8, also the precision ``boundaries`` (tasks/trt/boundaries.py) with their count and
+    bytes as ``network_reformat_*`` metrics."""
+    from tasks.trt.boundaries import boundary_metrics
+
     rows: list[dict] = []
+    boundaries: list[dict] = []
     unresolved = 0
     for i, (path, profs) in enumerate(zip(onnx_paths, profiles)):
-        layer_rows, n_unres = _layers(Path(path), profs[0] if profs else {}, backend)
+        layer_rows, n_unres, found = _layers(Path(path), profs[0] if profs else {}, backend)
         rows += [{"segment": i, **r} for r in layer_rows]
+        boundaries += [{"segment": i, **b} for b in found]
         unresolved += n_unres
-    return {"metrics": summarize(rows), "layers": rows, "unresolved_dims": unresolved}
+    metrics = summarize(rows)
+    out = {"metrics": metrics, "layers": rows, "unresolved_dims": unresolved}
+    if any(r["precision"] in ("int8", "fp8") for r in rows):
+        metrics.update(boundary_metrics(boundaries))
+        out["boundaries"] = boundaries
+    return out
 
 
 def summarize(rows: list[dict]) -> dict[str, Any]:
@@ -77,7 +88,9 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
     return out
 
 
-def _layers(path: Path, profile: dict, backend) -> tuple[list[dict], int]:
+def _layers(path: Path, profile: dict, backend) -> tuple[list[dict], int, list[dict]]:
+    from tasks.trt.boundaries import Layer, Tensor, boundaries_from_layers
+
     network, keep = _network(path, profile, backend)
     trt = backend.trt
     producer = {}
@@ -85,14 +98,23 @@ def _layers(path: Path, profile: dict, backend) -> tuple[list[dict], int]:
     for L in layers:
         for j in range(L.num_outputs):
             producer[L.get_output(j).name] = L
-    rows, unresolved = [], 0
+    rows, unresolved, plain, tensors = [], 0, [], {}
     for L in layers:
         kind = str(L.type).rsplit(".", 1)[-1]
         flops, unres = _flops(trt, L, kind)
         unresolved += unres
-        rows.append({"name": L.name, "type": kind, "precision": _precision(trt, L, kind, producer), "flops": flops})
+        precision = _precision(trt, L, kind, producer)
+        rows.append({"name": L.name, "type": kind, "precision": precision, "flops": flops})
+        ins = [t for t in (L.get_input(j) for j in range(L.num_inputs)) if t is not None]
+        outs = [L.get_output(j) for j in range(L.num_outputs)]
+        for t in (*ins, *outs):
+            if t.name not in tensors:
+                n, u = _numel(t.shape)
+                tensors[t.name] = Tensor(_type_name(trt, t.dtype), n, u)
+        plain.append(Layer(L.name, kind, precision, tuple(t.name for t in ins), tuple(t.name for t in outs)))
+    found = boundaries_from_layers(plain, tensors, [network.get_output(i).name for i in range(network.num_outputs)])
     del keep
-    return rows, unresolved
+    return rows, unresolved, found
 
 
 def _network(path: Path, profile: dict, backend):
@@ -171,6 +193,13 @@ def _flops(trt, L, kind: str) -> tuple[float, int]:
 def _dtype(trt, dt) -> str | None:
     return {trt.DataType.FLOAT: "fp32", trt.DataType.HALF: "fp16", trt.DataType.INT8: "int8",
             getattr(trt.DataType, "BF16", None): "fp16", getattr(trt.DataType, "FP8", None): "fp8"}.get(dt)
+
+
+def _type_name(trt, dt) -> str | None:
+    """A tensor type by name (bf16 kept apart from fp16: its size is the same, its name is not)."""
+    names = {"FLOAT": "fp32", "HALF": "fp16", "BF16": "bf16", "INT8": "int8", "FP8": "fp8", "INT32": "int32",
+             "INT64": "int64", "BOOL": "bool", "UINT8": "uint8"}
+    return next((v for k, v in names.items() if getattr(trt.DataType, k, None) == dt), None)
 
 
 def _reshapes(trt) -> tuple:
@@ -280,7 +309,8 @@ def precision_profile(onnx_paths: list[Path], profiles: list[list[dict]], backen
             "profile's opt shape; precision from the network's tensor types (strongly typed)")
     files = {"precision_profile": write_json(out_dir / "precision_profile.json",
                                              {"note": note, **m, "unresolved_dims": p["unresolved_dims"],
-                                              "layers": p["layers"]}),
+                                              "layers": p["layers"],
+                                              **({"boundaries": p["boundaries"]} if "boundaries" in p else {})}),
              }
     if "flops_share" in m:
         files["precision_profile_plot"] = plot(p["layers"], m, f"{title}: {describe(m)}", out_dir / "precision_profile.png")

@@ -352,8 +352,22 @@ def test_int8_from_calibration_data_is_quantized_validated_and_cached_across_tar
     # the search judges its 3 held-out samples and (up to 8 of) the calibration samples
     assert "held out for the accuracy search" in search["source"] and m["search_samples"] == 3 + 6
     assert m["calibration_samples"] == 6
+    # the margin derived from the search's rule: 3 held-out of 9 judged samples, the candidates a search on 2 layers
+    # may judge, 3 validation samples (tasks/accuracy/budget.py)
+    from tasks.accuracy.budget import derived_margin
+    from tasks.search.judging import JUDGE_Z
+    from tasks.search.restore import planned_judgements
+    assert m["search_candidates"] == planned_judgements(2)
+    assert m["search_margin"] == pytest.approx(derived_margin(3, 9, planned_judgements(2), 3, JUDGE_Z))
+    assert m["search_target"] == pytest.approx(0.98 + 0.02 * m["search_margin"])
     run = mlflow_run(s["mlflow"]["run_id"])
     assert run.data.tags["validation.data"].startswith("3 samples: samples held out for validation")
+    # the precision boundaries beside the FLOPs shares: at least the graph's fp32 input and output cross into and out
+    # of int8; estimated on the TensorRT network (no GPU here), said in summary.json, MLflow and the report
+    assert m["reformat_layers"] == m["network_reformat_layers"] >= 2 and m["reformat_bytes"] > 0, m
+    assert m["reformat_source"].startswith("estimate on the TensorRT network") and "no NVIDIA GPU" in m["reformat_source"]
+    assert run.data.metrics["reformat_layers"] == m["reformat_layers"] and run.data.tags["reformat_source"]
+    assert "precision boundaries (each a reformat on the GPU)" in (Path(s["out_dir"]) / "report.html").read_text()
     # another target: the Q/DQ graph comes from the cache, only the engine is built
     s2 = build([*args, "target=sm_89"], user_config_dir, tmp_path)
     assert s2["status"] == "ok" and "partly from the cache" in s2["stages"]["calibrate"]["reason"]

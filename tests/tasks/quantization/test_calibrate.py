@@ -572,6 +572,8 @@ def test_the_validation_fix_says_whether_the_search_ran():
     unsearched = search_fix(m, 17, 0.5, searched=False)
     assert "met its target" not in unsearched and "calibration.search=true" in unsearched and "0.880000" in unsearched
     assert search_fix({}, 17, 0.5) is None
+    derived = search_fix({**m, "search_margin": 0.693}, 17, None)  # calibration.budget_margin unset: derived
+    assert "calibration.budget_margin (now unset: 0.693 derived from the samples)" in derived
 
 
 def test_int8_keeps_in_fp32_what_its_fp16_remainder_cannot_compute(tmp_path):

@@ -166,3 +166,32 @@ def test_a_right_screen_takes_back_a_run_in_one_judgement_and_skips_what_cannot_
     assert sorted(chosen) == sorted(["s"] + [f"cheap{i}" for i in range(6)]), chosen
     after_screen = calls[calls.index(["s"]) + 1:]  # the binary search's last judgement: 's' alone
     assert len(after_screen) == 1, calls  # the 6 cheap ones in one judgement; no dear one judged (0.004 > 2 x 0.0005)
+
+
+def test_each_layer_left_restored_gets_the_reason_it_was_kept():
+    """The report's "why kept": a large layer the screen rates beyond the margin is not judged back, one judged back
+    that missed says so, a small one never tried back says it is below the refinement's share."""
+    losses = {f"cheap{i}": 0.0005 for i in range(6)} | {f"dear{i}": 0.004 for i in range(4)} | {"s": 0.0065,
+                                                                                                 "tiny": 0.02}
+    harm = {n: 1.0 for n in losses} | {"s": 0.001, "tiny": 10.0}
+    flops = {n: 100.0 for n in losses} | {"s": 1.0, "tiny": 1.0}
+    meets, _ = additive(losses, 0.01)
+    met = []
+
+    def judged(names):
+        ok = meets(names)
+        if ok:
+            met.append(0.01 - sum(losses[n] for n in names))
+        return ok
+
+    why: dict[str, str] = {}
+    chosen, _ = restore_search(list(losses), judged, harm, flops, screen=lambda base, c: {n: losses[n] for n in c},
+                               slack=lambda: met[-1] if met else None, why=why)
+    assert set(why) == set(losses) - set(chosen), (why, chosen)
+    assert all("not judged back" in why[f"dear{i}"] and "0.004" in why[f"dear{i}"] for i in range(4)), why
+    assert "not tried back" in why["tiny"] and "below 0.5% of the FLOPs" in why["tiny"]
+    # without the screen, a large layer tried back alone that misses says so
+    meets, _ = additive({"a": 0.006, "b": 0.006})
+    why = {}
+    chosen, _ = restore_search(["a", "b"], meets, {"a": 0.006, "b": 0.005}, {"a": 1.0, "b": 1.0}, why=why)
+    assert chosen == ["b"] and why == {"a": "tried back alone on top of the layers quantized: the target was missed"}
