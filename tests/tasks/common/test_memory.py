@@ -22,11 +22,15 @@ def test_a_stage_peak_counts_its_children_and_a_peak_between_samples():
     try:
         base = _rss()
         child = subprocess.Popen([sys.executable, "-c", "import time; b = bytearray(200 << 20); b[::4096] = b'x' * "
-                                  "len(b[::4096]); time.sleep(2)"])
+                                  "len(b[::4096]); print('touched', flush=True); time.sleep(3)"],
+                                 stdout=subprocess.PIPE, text=True)
         with w.stage("a"):
             a = np.ones(300 * MIB // 8)  # 300 MiB, touched, freed at once: only the high-water mark sees it
             del a
+            assert child.stdout.readline().strip() == "touched"  # the child holds its 200 MiB from here
+            time.sleep(1.0)  # several samples while it does, however loaded the host
             child.wait()
+            child.stdout.close()
         with w.stage("b"):
             pass
     finally:
