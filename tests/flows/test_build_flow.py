@@ -392,7 +392,7 @@ def test_the_cli_ends_when_an_int8_build_is_done(user_config_dir, tiny_calibrati
 
 @pytest.mark.slow
 def test_ppocr_det_int8_meets_the_budget_with_most_layers_int8_and_rebuilds_from_cache(prefect_harness, tmp_path):
-    """The int8 bar: calibration on text images, accuracy.min_cosine=0.99 met with at least 80% of the conv FLOPs int8;
+    """The int8 bar: calibration on text images, accuracy.min_cosine=0.99 met with at least 70% of the conv FLOPs int8;
     an identical second build is served from the cache in at most a quarter of the time."""
     import time
 
@@ -406,9 +406,10 @@ def test_ppocr_det_int8_meets_the_budget_with_most_layers_int8_and_rebuilds_from
     assert m["cosine_min"] >= 0.99
     assert m["quantized_layers"] + m["fallback_layers"] == 72  # 62 Conv, 2 ConvTranspose, 8 residual Adds
     assert set(m["flops_share"]) == {"fp32", "fp16", "int8", "fp8"} and m["flops_share"]["fp32"] <= 0.05, m
-    # the search restores the most harmful layers per FLOP: few FLOPs in many small layers (20 of 72 layers int8
-    # carry 81.7% of the conv FLOPs here, measured)
-    assert m["conv_int8_share"] >= 0.8, m
+    # the search restores the most harmful layers per FLOP: few FLOPs in many small layers. Its margin is derived from
+    # the few held-out pages here (docs/accuracy.md, the search's rule: above a fixed 0.5), and keeps 73.0% of the conv
+    # FLOPs int8 (measured; 81.7% at budget_margin=0.5)
+    assert m["search_margin"] > 0.5 and m["conv_int8_share"] >= 0.7, m
     out = Path(s["out_dir"])
     sens = json.loads((out / "sensitivity.json").read_text())
     assert len(sens["layers"]) == 72 and (out / "sensitivity.png").is_file()
