@@ -30,14 +30,15 @@ def _save(path: Path, nodes, inputs, inits, out_shape, opset: int = 17) -> Path:
     return path
 
 
-def log_model(path: Path) -> Path:
+def log_model(path: Path, op: str = "Log") -> Path:
     """y = Relu(x @ W1 + Log(sigma)) @ W2, sigma one noise level per row (a diffusion UNet's): a row whose sigma is
-    <= 0 is NaN in fp32 already, and the NaN passes through the second MatMul."""
+    <= 0 is NaN in fp32 already, and the NaN passes through the second MatMul. ``op="Reciprocal"``: 1/sigma, +inf
+    at 0 in the second MatMul's input (what its calibration histogram sees), NaN at its output."""
     rng = np.random.default_rng(3)
     inits = [numpy_helper.from_array(rng.standard_normal((16, 32)).astype(np.float32) * 0.3, "w1"),
              numpy_helper.from_array(rng.standard_normal((32, 8)).astype(np.float32) * 0.3, "w2")]
     nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="fc1"),
-             helper.make_node("Log", ["sigma"], ["l"], name="log"),
+             helper.make_node(op, ["sigma"], ["l"], name=op.lower()),
              helper.make_node("Add", ["h", "l"], ["a"], name="add"),
              helper.make_node("Relu", ["a"], ["r"], name="relu"),
              helper.make_node("MatMul", ["r", "w2"], ["y"], name="fc2")]
@@ -60,14 +61,18 @@ def masked_attention_model(path: Path) -> Path:
                                helper.make_tensor_value_info("mask", TensorProto.BOOL, [4, 16])], inits, [4, 8])
 
 
-def log_feeds(n: int, seed: int) -> list[dict]:
-    """sigma > 0 except one row of every other feed (-1: NaN in fp32)."""
+def reciprocal_model(path: Path) -> Path:
+    return log_model(path, "Reciprocal")
+
+
+def log_feeds(n: int, seed: int, bad: float = -1.0) -> list[dict]:
+    """sigma > 0 except one row of every other feed (``bad``; -1: NaN in fp32, of a Log)."""
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
         sigma = np.abs(rng.standard_normal((4, 1))).astype(np.float32) + 0.1
         if i % 2 == 0:
-            sigma[0, 0] = -1.0
+            sigma[0, 0] = bad
         out.append({"x": rng.standard_normal((4, 16)).astype(np.float32), "sigma": sigma})
     return out
 
@@ -88,6 +93,7 @@ def mask_feeds(n: int, seed: int) -> list[dict]:
 @pytest.mark.parametrize("model, feeds_of, node, op, inputs", [
     (log_model, log_feeds, "log", "Log", ["sigma"]),
     (masked_attention_model, mask_feeds, "masked_fill", "Where", ["x", "mask"]),
+    (reciprocal_model, lambda n, seed: log_feeds(n, seed, bad=0.0), "reciprocal", "Reciprocal", ["sigma"]),
 ])
 def test_nan_of_the_reference_keeps_no_layer_out_of_int8(tmp_path, model, feeds_of, node, op, inputs):
     path = model(tmp_path / "m.onnx")
