@@ -30,15 +30,17 @@ def _save(path: Path, nodes, inputs, inits, out_shape, opset: int = 17) -> Path:
     return path
 
 
-def log_model(path: Path, op: str = "Log") -> Path:
+def log_model(path: Path, op: str = "Log", negated: bool = False) -> Path:
     """y = Relu(x @ W1 + Log(sigma)) @ W2, sigma one noise level per row (a diffusion UNet's): a row whose sigma is
     <= 0 is NaN in fp32 already, and the NaN passes through the second MatMul. ``op="Reciprocal"``: 1/sigma, +inf
-    at 0 in the second MatMul's input (what its calibration histogram sees), NaN at its output."""
+    at 0 in the second MatMul's input (what its calibration histogram sees), NaN at its output. ``negated``: of -sigma
+    (a domain the graph does not show: random inputs stay standard normal, and about half the rows are NaN)."""
     rng = np.random.default_rng(3)
     inits = [numpy_helper.from_array(rng.standard_normal((16, 32)).astype(np.float32) * 0.3, "w1"),
              numpy_helper.from_array(rng.standard_normal((32, 8)).astype(np.float32) * 0.3, "w2")]
     nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="fc1"),
-             helper.make_node(op, ["sigma"], ["l"], name=op.lower()),
+             *([helper.make_node("Neg", ["sigma"], ["neg_sigma"], name="neg")] if negated else []),
+             helper.make_node(op, ["neg_sigma" if negated else "sigma"], ["l"], name=op.lower()),
              helper.make_node("Add", ["h", "l"], ["a"], name="add"),
              helper.make_node("Relu", ["a"], ["r"], name="relu"),
              helper.make_node("MatMul", ["r", "w2"], ["y"], name="fc2")]
