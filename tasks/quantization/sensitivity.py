@@ -438,13 +438,20 @@ def local_errors(quantizers: dict[str, object], fp32_path, feeds: list[dict],
 
     for cap, by_method in ordered_runs(probed, feeds, workers):
         norms: dict[str, float] = {}  # each fp32 output's squared norm, once per feed
+        finite: dict[str, np.ndarray] = {}  # where an fp32 output holds NaN/inf: its finite places (judged alone)
         for method, (_, need, outs) in probes.items():
             got = by_method.pop(method)
             for layer, o in outs.items():
                 if o not in norms:
                     norms[o] = _square_sum(np.array(cap[o], dtype=np.float32))
+                    if not np.isfinite(norms[o]):  # no range approaches a NaN/inf of the fp32 model
+                        finite[o] = np.isfinite(cap[o])
+                        norms[o] = _square_sum(np.array(cap[o][finite[o]], dtype=np.float32))
                 r = norms[o]
-                e = _square_sum(np.subtract(got[o + "__quantized"], cap[o], dtype=np.float32))
+                quantized, exact = got[o + "__quantized"], cap[o]
+                if o in finite:
+                    quantized, exact = quantized[finite[o]], exact[finite[o]]
+                e = _square_sum(np.subtract(quantized, exact, dtype=np.float32))
                 num[method][layer] = num[method].get(layer, 0.0) + e
                 top[method][layer] = max(top[method].get(layer, 0.0), rel(e, r))
                 if method == next(iter(probes)):

@@ -156,3 +156,20 @@ def test_graph_preparation_leaves_out_the_nan_of_the_reference(tmp_path):
     check_prepared(path, path, feeds, ref, info, Metric(name="allclose").judge())
     assert info["nonfinite_reference_elements"] == int((~np.isfinite(ref[0]["y"])).sum()) and \
         info["allclose_to_input"] == 1.0, info
+
+
+def test_local_errors_of_a_layer_whose_fp32_output_holds_nan_are_of_its_finite_part(tmp_path):
+    """The search ranks layers by their own output error: a layer whose fp32 output holds NaN (fc2, on the rows of a
+    Log of sigma <= 0) has the error of its finite part, not NaN (which no ranking can order)."""
+    from tasks.quantization.qdq import Quantizer
+    from tasks.quantization.ranges import ranges_from_feeds
+    from tasks.quantization.sensitivity import local_errors
+
+    path = log_model(tmp_path / "m.onnx")
+    feeds = log_feeds(8, 0)
+    (tmp_path / "work").mkdir()
+    ranges, _ = ranges_from_feeds(path, feeds, "entropy", tmp_path / "work", None)
+    q = Quantizer(path, ranges, "int8", "fp16", {}, {}, {}, {})
+    for worst in (False, True):
+        errs = local_errors({"entropy": q}, path, feeds, worst=worst)["entropy"]
+        assert set(errs) == {"fc1", "fc2"} and all(np.isfinite(v) and 0 < v < 1 for v in errs.values()), errs
