@@ -262,7 +262,8 @@ def _calibrate(ctx: BuildContext) -> StageResult:
                                  lambda i: segment_feeds(model, plan, i, cal.feeds),
                                  (lambda i: segment_feeds(model, plan, i, held.feeds)) if held else None, d,
                                  method=c.method, precision=p.name, min_cosine=target, progress=progress,
-                                 data_max=ctx.cfg.build.fp16_data_max, metric=goal and goal.judge, rest=rest)
+                                 data_max=ctx.cfg.build.fp16_data_max, metric=goal and goal.judge, rest=rest,
+                                 random_inputs=cal.kind == "random")
         except AccuracyError as e:  # the refusal is a result too (its sensitivity report, the search's figures):
             if getattr(e, "result", None) is None:  # cached, raised below
                 raise
@@ -273,6 +274,9 @@ def _calibrate(ctx: BuildContext) -> StageResult:
         return r
 
     q = ctx.cached("calibrate", q_parts, quantize, entry="calibrate-qdq", data=True)
+    # a search reference that is not finite (tasks/accuracy/nonfinite.py), refused or not
+    warn_all(ctx, "calibrate", [w for d in q.details.get("segments", []) for w in (d.get("nonfinite") or {}).get(
+        "warnings", [])])
     refused = q.details.get("refused")
     if refused:  # the failed result keeps the sensitivity report and the search's figures
         err = AccuracyError(refused["message"], stage="calibrate", file=refused.get("file"), fix=refused.get("fix"))

@@ -9,6 +9,8 @@ import numpy as np
 
 DATA_HOW = ("give validation.data=PATH (a .npz/.npy file or a folder of them, one array per model input name) with "
             "inputs the model is meant to see")
+CALIBRATION_DATA_HOW = ("give calibration.data=PATH (a .npz/.npy file or a folder of them, one array per model input "
+                        "name) and validation.data alike, with inputs the model is meant to see")
 
 
 def nonfinite_reference(refs: list[dict[str, np.ndarray]]) -> dict[str, dict]:
@@ -37,26 +39,37 @@ def _classes(w: dict) -> str:
 
 
 def reference_warnings(found: dict[str, dict], feeds: list[dict[str, np.ndarray]], inputs_source: str,
-                       random_inputs: bool) -> list[str]:
+                       random_inputs: bool, origins: dict[str, dict] | None = None, data_how: str = DATA_HOW,
+                       judged: str | None = None) -> list[str]:
     """One warning per output of ``nonfinite_reference``: the output, the count, the feeds (the first one's input
-    shapes) and where they come from; ``random_inputs`` (no validation.data): the random inputs caused it, with the
-    model's inputs named and how to give data."""
+    shapes) and where they come from; ``random_inputs`` (no data given): the random inputs caused it, with the inputs
+    named (``origins``, tasks.onnxrt.origins.nonfinite_origins of the first such feed: the node that made the first
+    non-finite value and the inputs that reach it; else every model input) and how to give data (``data_how``).
+    ``judged``: how the caller judges those places (default: validate's, the finite part where the build lines up)."""
     out = []
     for name, w in found.items():
+        origin = (origins or {}).get(name)
         first = w["feeds"][0]
         shapes = ", ".join(f"{n}{list(np.shape(a))}" for n, a in feeds[first].items()) if first < len(feeds) else ""
         where = (f"on feed {first}" + (f" and {len(w['feeds']) - 1} more" if len(w["feeds"]) > 1 else "")
                  + f" of {len(feeds)} ({inputs_source}; feed {first}: {shapes})")
         text = (f"the fp32 reference output {name!r} is not finite: {w['count']} of {w['elements']} elements "
                 f"({_classes(w)}) {where}")
+        if origin and origin.get("node"):
+            text += f"; the first non-finite value is made by node {origin['node']!r} ({origin['op']})"
         if random_inputs:
-            names = ", ".join(feeds[first]) if first < len(feeds) else "?"
-            text += (f"; the generated random inputs caused it (model inputs: {names}): random values the model does "
-                     f"not expect (a Log or Sqrt of values <= 0, an all-False mask) give NaN/inf in fp32 already, so no "
-                     f"precision can match them: {DATA_HOW}")
+            if origin and origin.get("inputs"):
+                names = ", ".join(origin["inputs"])
+                which = f"the random values of input(s) {names} (those that reach it) caused it"
+            else:
+                which = "the generated random inputs caused it (model inputs: " + (
+                    ", ".join(feeds[first]) if first < len(feeds) else "?") + ")"
+            text += (f"; {which}: random values the model does not expect (a Log or Sqrt of values <= 0, an "
+                     f"all-False mask) give NaN/inf in fp32 already, so no precision can match them: {data_how}")
         else:
-            text += ("; where the build is non-finite at the same places it is compared on the finite part, elsewhere "
-                     "it fails: check these inputs (the model's own NaN/inf, or inputs outside its domain)")
+            text += "; " + (judged or "where the build is non-finite at the same places it is compared on the finite "
+                                      "part, elsewhere it fails") + (
+                ": check these inputs (the model's own NaN/inf, or inputs outside its domain)")
         out.append(text)
     return out
 
@@ -74,3 +87,27 @@ def finite_part_notes(outputs: dict[str, dict]) -> list[str]:
             notes.append(f"output {name!r} is non-finite at {bad} of {n} elements where the other of reference and "
                          f"build is not (or holds another of NaN, +inf, -inf)")
     return notes
+
+
+def on_finite_reference(out: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``out`` with the reference's non-finite values copied in at their places, for a search that chooses a precision:
+    where the fp32 reference is NaN/inf there is no value to approach (a quantized layer turns a NaN it reads into a
+    finite code, so NaN that no precision keeps would otherwise count as its error), and the comparison
+    (tasks/accuracy/metrics.py ``finite_part``) leaves those places out. Outputs whose reference is finite are ``out``'s
+    own arrays."""
+    fixed = dict(out)
+    for name, r in ref.items():
+        r = np.asarray(r)
+        if name not in fixed or r.dtype.kind not in "fc" or np.isfinite(r).all():
+            continue
+        o = np.asarray(fixed[name])
+        if o.shape == r.shape:
+            fixed[name] = np.where(np.isfinite(r), o, r).astype(o.dtype, copy=False)
+    return fixed
+
+
+def search_note(found: dict[str, dict], judged: str) -> str:
+    """What an accuracy search judged where its fp32 reference is not finite (``nonfinite_reference`` of its samples)."""
+    outs = ", ".join(f"{n!r} ({w['count']} of {w['elements']} elements)" for n, w in found.items())
+    return (f"the search judged the finite part of the fp32 reference: {outs} non-finite in the fp32 reference on "
+            f"{judged} left out (no precision has a value to approach there), the rest compared")

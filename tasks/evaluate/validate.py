@@ -90,7 +90,8 @@ def validate_onnx(reference: Path, candidate: Path | Callable, feeds: list[dict[
     left_out = [{n: list(a.shape) for n, a in f.items()} for i, f in enumerate(feeds) if i not in set(kept)]
     feeds = [feeds[i] for i in kept]
     found = nonfinite_reference(refs)  # before any judgement: a reference that is not finite is no target
-    found_text = reference_warnings(found, feeds, inputs_source, random_inputs)
+    origins = _origins(reference, found, feeds)  # the node that made them and the inputs that reach it
+    found_text = reference_warnings(found, feeds, inputs_source, random_inputs, origins)
     warnings += found_text
     labels = [labels[i] for i in kept] if labels is not None else None  # validation.labels, per feed
     samples = sum(batch_size(f) for f in feeds)
@@ -127,7 +128,7 @@ def validate_onnx(reference: Path, candidate: Path | Callable, feeds: list[dict[
         "cosine_min": metrics.get("cosine_min"), "cosine_source": metrics.get("cosine_source"),
         "outputs": measured or {}, "emulation": emulation_report, "engine": engine,
         "evidence": evidence, "warnings": warnings, "passed": passed, "accuracy": accuracy,
-        "nonfinite": {"reference": found, "warnings": found_text, "notes": finite_notes,
+        "nonfinite": {"reference": found, "origins": origins, "warnings": found_text, "notes": finite_notes,
                       "random_inputs": random_inputs},
         "verdict": verdict_text(metrics, passed, min_cosine, reference_label, samples, inputs_source,
                                 evidence + finite_notes, accuracy),
@@ -137,6 +138,16 @@ def validate_onnx(reference: Path, candidate: Path | Callable, feeds: list[dict[
     result = StageResult(files=_validation_files(report, out_path), metrics=metrics, details=report)
     gate(result, label=label or (None if callable(candidate) else str(candidate)), fix=fix)
     return result
+
+
+def _origins(reference: Path, found: dict, feeds: list[dict[str, np.ndarray]]) -> dict[str, dict]:
+    """tasks.onnxrt.origins.nonfinite_origins on the first feed with a non-finite reference (none: {})."""
+    if not found:
+        return {}
+    from tasks.onnxrt.origins import nonfinite_origins
+
+    first = min(w["feeds"][0] for w in found.values())
+    return nonfinite_origins(reference, feeds[first], list(found))
 
 
 def _emulation_measured(candidate: Path | Callable, feeds: list[dict[str, np.ndarray]], refs: list[dict],
@@ -261,7 +272,8 @@ def gate(result: StageResult, label: str | None = None, fix: str | None = None,
             msg += (f": its fp32 reference holds {ref_bad['count']} non-finite values and the build is non-finite at "
                     f"other places ({r['outputs'][worst]['nonfinite_mismatch']} elements differ), so the cosine "
                     f"compares NaN/inf, not precision"
-                    + (" (the generated random inputs caused it)" if random_inputs else ""))
+                    + (f" (the generated random values of {_inputs_of(r['nonfinite'], worst)} caused it)"
+                       if random_inputs else ""))
             fix = None  # a higher precision cannot help: the inputs can
             default_fix = (DATA_HOW if random_inputs else
                            "check the inputs: the fp32 model itself gives NaN/inf on them (validation.data)")
@@ -283,3 +295,9 @@ def gate(result: StageResult, label: str | None = None, fix: str | None = None,
     err = AccuracyError(msg, stage="validate", file=label, fix=fix or default_fix)
     err.result = result
     raise err
+
+
+def _inputs_of(nonfinite: dict, output: str) -> str:
+    """The inputs that reach the node making ``output`` non-finite (validate's ``nonfinite`` report), in words."""
+    origin = (nonfinite.get("origins") or {}).get(output) or {}
+    return "input(s) " + ", ".join(origin["inputs"]) if origin.get("inputs") else "the inputs"

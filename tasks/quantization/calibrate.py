@@ -49,7 +49,7 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
                   on_sample: Callable[[int, int], None] | None = None,
                   high_precision: str = "fp16",
                   no_layers_ok: bool = False,
-                  data_max: float = DATA_MAX, metric=None, through=None) -> StageResult:
+                  data_max: float = DATA_MAX, metric=None, through=None, random_inputs: bool = False) -> StageResult:
     """Quantize ``fp32_path`` to a Q/DQ graph at ``out_path``, within ``min_cosine`` if given.
 
     ``feeds`` calibrate the ranges (one input dict per sample, shapes may differ); candidates are scored against the
@@ -72,6 +72,11 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
     the model run on the segment's candidate outputs (a native decoding Loop after a backbone turns a small error into
     another token sequence, which the segment's own outputs do not show); layers are still ranked on the segment's own
     outputs.
+    ``random_inputs``: the samples were generated at random (no calibration.data). Non-finite values (NaN/inf) in the
+    fp32 reference of the judged samples are found before any judgement and reported (details ``nonfinite``: per
+    output the count and the feeds, the node that made them and the inputs that reach it, tasks/accuracy/nonfinite.py);
+    the search judges the finite part of the reference (no precision has a value to approach where it is NaN/inf), so
+    it never keeps layers out of ``precision`` for them, and its refusals say so.
     """
     precision = str(precision).lower()
     choose = method is None and precision == "int8"
@@ -92,8 +97,9 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
         workers, threads = run_workers()  # the references a few at a time (tasks.onnxrt.ort.ordered_runs)
         run_fp32 = ort_runner(fp32_path, stage=STAGE, threads=threads)
         ref = list(ordered_runs(run_fp32, judge_feeds, workers))
+        nonfinite = nonfinite_report(fp32_path, ref, judge_feeds, judged, random_inputs)  # before any judgement
         prepared, prep_info = prepare_graph(fp32_path, work / "fp32_prepared.onnx", eval_feeds[:PREPARE_FEEDS],
-                                            ref[:min(len(eval_feeds), PREPARE_FEEDS)])
+                                            ref[:min(len(eval_feeds), PREPARE_FEEDS)], metric, random_inputs)
 
         t_cal = time.perf_counter()
         cache = work / f"calibration_{method}.json"
@@ -123,6 +129,9 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
                 except AccuracyError as e:  # refused: the search's figures and sensitivity rows go with the error
                     e.result = _stage_result(s, {}, reused, prep_info, keep, cancel, unreached, calibration_seconds,
                                              time.perf_counter() - t_search, t0)
+                    if nonfinite:  # what the figures were taken on
+                        e.message += f" ({nonfinite['note']})"
+                        e.result.details["nonfinite"] = nonfinite
                     raise
             return s
 
@@ -144,10 +153,34 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
         files = {"onnx": out_path, **({"calibration_cache": cache, "fp32_prepared": prepared} if workdir is not None
                                       else {})}
         r = _stage_result(s, files, reused, prep_info, keep, cancel, unreached, calibration_seconds, search_seconds, t0)
+        if nonfinite:
+            r.details["nonfinite"] = nonfinite
         r.details["fp32_by_data_underflow"] = tiny  # value -> fp16's relative error below its normal range (fp32)
         if remainder:  # nodes of the float remainder the fp16 search kept fp32 (the remainder alone missed the target)
             r.details["fp16_remainder_search"] = remainder
         return r
+
+
+def nonfinite_report(fp32_path: Path, refs: list[dict], feeds: list[Feed], judged: str,
+                     random_inputs: bool) -> dict | None:
+    """The non-finite values of the search's fp32 reference (``refs`` of ``feeds``), found before any judgement:
+    {"reference": per output the count and feeds (tasks.accuracy.nonfinite.nonfinite_reference), "origins": the node
+    that made them on the first such feed and the inputs that reach it (tasks.onnxrt.origins), "warnings": one per
+    output, "note": what the search judged instead, "random_inputs"}; None when every value is finite."""
+    from tasks.accuracy.nonfinite import CALIBRATION_DATA_HOW, nonfinite_reference, reference_warnings, search_note
+    from tasks.onnxrt.origins import nonfinite_origins
+
+    found = nonfinite_reference(refs)
+    if not found:
+        return None
+    first = min(w["feeds"][0] for w in found.values())
+    origins = nonfinite_origins(fp32_path, feeds[first], list(found), stage=STAGE)
+    return {"reference": found, "origins": origins, "random_inputs": random_inputs,
+            "warnings": reference_warnings(found, feeds, f"the {STAGE} search's samples: {judged}", random_inputs,
+                                           origins, CALIBRATION_DATA_HOW,
+                                           "the search leaves those elements out (no precision has a value to approach "
+                                           "there; validate fails where the build does not line up with them)"),
+            "note": search_note(found, judged)}
 
 
 def _remainder_kept_fp32(s: SearchState, keep: dict, cancel: dict, tiny: dict, work: Path) -> dict:
@@ -252,7 +285,7 @@ def qdq_for_segments(segments: list[dict], feeds_for: Callable[[int], list[Feed]
                      search_feeds_for: Callable[[int], list[Feed]] | None, out_dir: Path, *, method: str | None,
                      precision: str, min_cosine: float | None,
                      progress: Callable[[int], contextlib.AbstractContextManager] | None = None,
-                     data_max: float = DATA_MAX, metric=None, rest=None) -> StageResult:
+                     data_max: float = DATA_MAX, metric=None, rest=None, random_inputs: bool = False) -> StageResult:
     """``qdq_from_onnx`` for each TensorRT segment of a model (``segments``: index, onnx), each on what that segment
     sees of the calibration and search samples; the layer counts summed, each search cosine the lowest segment's
     (absent when no segment measured it), and the sensitivity report of all. A segment without a layer to quantize
@@ -269,7 +302,8 @@ def qdq_for_segments(segments: list[dict], feeds_for: Callable[[int], list[Feed]
             r = qdq_from_onnx(s["onnx"], feeds_for(i), out_dir / f"qdq{i}.onnx", method=method, precision=precision,
                               min_cosine=min_cosine, eval_feeds=search_feeds_for(i) if search_feeds_for else None,
                               workdir=out_dir / f"work{i}", on_sample=on_sample, no_layers_ok=len(segments) > 1,
-                              data_max=data_max, metric=metric, through=rest.after(i) if rest is not None else None)
+                              data_max=data_max, metric=metric, through=rest.after(i) if rest is not None else None,
+                              random_inputs=random_inputs)
         files[f"qdq{i}"] = r.files["onnx"]
         per_segment.append(r.metrics)
         details.append({"segment": i, **r.details})

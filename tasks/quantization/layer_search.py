@@ -16,6 +16,7 @@ from typing import Callable
 import numpy as np
 
 from tasks.common.errors import AccuracyError, UnavailableError
+from tasks.accuracy.nonfinite import on_finite_reference
 from tasks.graph.flops import onnx_flops
 from tasks.quantization.qdq import QUANT_OPS, Quantizer
 from tasks.quantization.ranges import STAGE, alternative_ranges
@@ -74,6 +75,8 @@ class SearchState:
         outs = qz.outputs(names, self.judge_feeds)
         if outs is not None and self.through is not None:
             outs = [self.through(k, o) for k, o in enumerate(outs)]
+        if outs is not None:  # no precision approaches a NaN/inf of the reference: left out
+            outs = [on_finite_reference(o, r) for o, r in zip(outs, self.judged_refs)]
         return None if outs is None else Judged.of(outs, self.judged_refs, self.judged_inputs, self.metric,
                                                    held=len(self.eval_feeds))
 

@@ -91,8 +91,10 @@ def onnx_model(path: Path):
     return onnx.load(str(path))
 
 
-def prepare_graph(src: Path, dst: Path, feeds: list[Feed], ref: list[dict]) -> tuple[Path, dict]:
-    """opset >= MIN_OPSET, Constants folded into initializers, every node named; checked against the original."""
+def prepare_graph(src: Path, dst: Path, feeds: list[Feed], ref: list[dict], metric=None,
+                  random_inputs: bool = False) -> tuple[Path, dict]:
+    """opset >= MIN_OPSET, Constants folded into initializers, every node named; checked against the original
+    (``check_prepared``, by ``metric``: tasks.accuracy.metric.SearchJudge, default cosine)."""
     import onnx
 
     model = onnx.load(str(src))
@@ -107,14 +109,66 @@ def prepare_graph(src: Path, dst: Path, feeds: list[Feed], ref: list[dict]) -> t
     uniquify_node_names(model.graph)
     info["biases_unshared"] = unshare_biases(model.graph)
     onnx.save(model, str(dst))
-    run = ort_runner(dst, stage=STAGE)
-    cos = worst_feed_cosine([run(f) for f in feeds], ref)
-    info["cosine_to_input"] = cos
-    if cos < 0.99999:
-        raise StageError(f"preparing the graph for quantization (opset {info['opset_in']} -> {info['opset']}, "
-                         f"constant folding) changed its outputs: cosine {cos:.6f}", stage=STAGE, file=str(src),
-                         fix="export the model at opset >= 13")
+    check_prepared(src, dst, feeds, ref, info, metric, random_inputs)
     return dst, info
+
+
+def check_prepared(src: Path, dst: Path, feeds: list[Feed], ref: list[dict], info: dict, metric=None,
+                   random_inputs: bool = False) -> None:
+    """StageError when the prepared graph ``dst`` changed the outputs of ``src`` (``ref`` on ``feeds``): by the user's
+    metric (``metric``, tasks.accuracy.metric.SearchJudge: its own settings, without the search's margin) and, with
+    cosine, within PREPARE_MIN_COSINE (preparing computes the same in fp32). Both judge the finite part of the
+    reference (tasks.accuracy.nonfinite.on_finite_reference: a NaN of the input model has no value to keep); its count
+    is in ``info`` (``nonfinite_reference_elements``). The fix names the step that changed them: the opset conversion
+    (measured alone) or the rest (folding constants, an fp16 model computed in fp32)."""
+    from tasks.accuracy.nonfinite import on_finite_reference
+
+    run = ort_runner(dst, stage=STAGE)
+    outs = [on_finite_reference(run(f), r) for f, r in zip(feeds, ref)]
+    cos = worst_feed_cosine(outs, ref)
+    info["cosine_to_input"] = cos
+    bad = sum(int(np.size(a) - np.isfinite(a).sum()) for r in ref for a in r.values() if np.asarray(a).dtype.kind == "f")
+    if bad:
+        info["nonfinite_reference_elements"] = bad
+    user = metric is not None and metric.name != "cosine"
+    exact = metric.metric.judge(0.0) if user else None  # the user's own settings, without the search's margin
+    score = exact.worst(outs, ref, feeds) if user else cos
+    if user:
+        info[f"{metric.name}_to_input"] = score
+    floor = exact.target if user else PREPARE_MIN_COSINE
+    if score >= floor:
+        return
+    what = (f"accuracy.metric={metric.name}: {exact.label} {score:.6g} (worst sample), below {floor:.6g}" if user
+            else f"cosine {cos:.6f} (worst sample), below {PREPARE_MIN_COSINE}")
+    steps = [f"opset {info['opset_in']} -> {info['opset']}"] if info.get("opset_upgrade") else []
+    steps += (["constants folded"] if info.get("constants_folded") else []) + (
+        ["the fp16 model computed in fp32"] if info.get("fp16_upcast") else [])
+    on = f" (the fp32 reference holds {bad} NaN/inf elements, left out)" if bad else ""
+    msg = f"preparing the graph for quantization ({', '.join(steps)}) changed its outputs: {what}{on}"
+    if info.get("opset_upgrade") and _opset_alone_changes(src, feeds, ref, floor, exact if user else None):
+        fix = (f"export the model at opset >= {MIN_OPSET}: ONNX's version converter from opset {info['opset_in']} "
+               f"changed its outputs (measured alone), and a graph exported at {MIN_OPSET} needs no conversion")
+    elif info.get("fp16_upcast"):
+        fix = ("export the model in fp32: its fp16 weights and ops computed in fp32 (as calibration needs) give other "
+               "outputs than the fp16 model, which is the reference here; or build it at precision=fp16")
+    else:
+        fix = ("build this model at precision=fp16 (folding its constants into initializers, which int8 calibration "
+               "needs, changed its outputs); if the change is acceptable, relax accuracy.metric's settings")
+    raise StageError(msg, stage=STAGE, file=str(src), fix=fix)
+
+
+PREPARE_MIN_COSINE = 0.99999  # the worst sample's cosine of the prepared graph to the input's (the same fp32 math)
+
+
+def _opset_alone_changes(src: Path, feeds: list[Feed], ref: list[dict], floor: float, exact) -> bool:
+    """Whether ``src`` converted to MIN_OPSET alone (nothing folded) misses ``floor`` (with ``exact``, the user's
+    metric; else the worst sample's cosine) on ``feeds``."""
+    from tasks.accuracy.nonfinite import on_finite_reference
+
+    converted, _ = with_opset(onnx_model(src), MIN_OPSET)
+    run = ort_runner(converted.SerializeToString(), stage=STAGE)
+    outs = [on_finite_reference(run(f), r) for f, r in zip(feeds, ref)]
+    return (exact.worst(outs, ref, feeds) if exact is not None else worst_feed_cosine(outs, ref)) < floor
 
 
 def unshare_biases(g) -> int:

@@ -155,15 +155,17 @@ def _histogram_collector(cal, needed: set[str]):
             tiny = np.finfo(np.float32).tiny * 2 * self.num_bins  # below this |x| is no range at all: all zeros
             for name, arrs in name_to_arr.items():
                 for a in (arrs if isinstance(arrs, list) else [arrs]):
-                    if name not in needed and a.size:  # max |x| alone, without a copy (NaN: as below)
+                    if name not in needed and a.size:  # max |x| alone, without a copy (NaN/inf: as below)
                         amax = max(float(a.max()), -float(a.min()))
-                        if amax == amax:
+                        if np.isfinite(amax):
                             self._add_max(name, a.size, amax if amax >= tiny else 0.0)
                             continue
                     a = np.abs(np.ravel(a))  # a copy: _add may scale it in place
                     amax = float(a.max()) if a.size else 0.0
-                    if amax != amax:  # NaN somewhere (max propagates it): the range of the other values
-                        a = a[~np.isnan(a)]
+                    if not np.isfinite(amax):  # NaN or inf somewhere (a Log of 0, a 1/0 of the fp32 model: no
+                        # int8 code holds them, and an infinite range would grow the bins without end): the range of
+                        # the finite values
+                        a = a[np.isfinite(a)]
                         amax = float(a.max()) if a.size else 0.0
                     if amax < tiny:
                         a, amax = np.zeros(1, np.float32), 0.0

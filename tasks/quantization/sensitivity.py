@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from tasks.accuracy.nonfinite import on_finite_reference
 from tasks.accuracy.metrics import cosine, pooled_cosine_of, pooled_estimate, pooled_sums
 from tasks.onnxrt.ort import ordered_runs, ort_run, ort_session, run_workers
 from tasks.search.judging import meets_target, output_norms
@@ -102,14 +103,16 @@ class Switchable:
         with exactly ``names`` quantized (never through the rest of a hybrid model: the search's ranking)."""
         on = set(names)
         outs = ordered_runs(lambda f: self._run(on, f), feeds or self.feeds, self.workers)
-        return [min(cosine(got[k], r[k]) for k in r) for got, r in zip(outs, refs or self.refs)]
+        return [min(cosine(got[k], r[k]) for k in r)
+                for got, r in ((on_finite_reference(o, r), r) for o, r in zip(outs, refs or self.refs))]
 
     def outputs(self, names) -> list[dict]:
         """Per search feed, what is judged with exactly ``names`` quantized: the graph's outputs, or through the rest of
-        a hybrid model the model's."""
+        a hybrid model the model's; where the reference is not finite, its values (``on_finite_reference``)."""
         on = set(names)
         outs = ordered_runs(lambda f: self._run(on, f), self.feeds, self.workers)
-        return [out if self.through is None else self.through(k, out) for k, out in enumerate(outs)]
+        return [on_finite_reference(out if self.through is None else self.through(k, out), self.judged_refs[k])
+                for k, out in enumerate(outs)]
 
     def estimate(self, names) -> tuple[float, float, float]:
         """(figure, standard error, bound) on every search feed: the pooled cosine (``tasks.accuracy.metrics.pooled_estimate``),
@@ -143,7 +146,7 @@ class Switchable:
 
     def _judged(self, on: set, k: int) -> dict:
         out = self._run(on, self.feeds[k])
-        return out if self.through is None else self.through(k, out)
+        return on_finite_reference(out if self.through is None else self.through(k, out), self.judged_refs[k])
 
     def _run(self, on: set, feed: dict) -> dict:
         flags = {f: np.array(n in on) for n, f in self.flags.items()}
@@ -435,13 +438,20 @@ def local_errors(quantizers: dict[str, object], fp32_path, feeds: list[dict],
 
     for cap, by_method in ordered_runs(probed, feeds, workers):
         norms: dict[str, float] = {}  # each fp32 output's squared norm, once per feed
+        finite: dict[str, np.ndarray] = {}  # where an fp32 output holds NaN/inf: its finite places (judged alone)
         for method, (_, need, outs) in probes.items():
             got = by_method.pop(method)
             for layer, o in outs.items():
                 if o not in norms:
                     norms[o] = _square_sum(np.array(cap[o], dtype=np.float32))
+                    if not np.isfinite(norms[o]):  # no range approaches a NaN/inf of the fp32 model
+                        finite[o] = np.isfinite(cap[o])
+                        norms[o] = _square_sum(np.array(cap[o][finite[o]], dtype=np.float32))
                 r = norms[o]
-                e = _square_sum(np.subtract(got[o + "__quantized"], cap[o], dtype=np.float32))
+                quantized, exact = got[o + "__quantized"], cap[o]
+                if o in finite:
+                    quantized, exact = quantized[finite[o]], exact[finite[o]]
+                e = _square_sum(np.subtract(quantized, exact, dtype=np.float32))
                 num[method][layer] = num[method].get(layer, 0.0) + e
                 top[method][layer] = max(top[method].get(layer, 0.0), rel(e, r))
                 if method == next(iter(probes)):

@@ -79,7 +79,9 @@ def test_random_inputs_that_make_the_reference_nan_are_named_and_data_asked_for(
     feeds = [{"sigma": rng.standard_normal((1, 16)).astype(np.float32)} for _ in range(3)]
     r = validate_onnx(ref, cand, feeds, 0.99, "random inputs", tmp_path / "v.json", random_inputs=True)
     (warning,) = r.details["nonfinite"]["warnings"]
-    assert "the generated random inputs caused it (model inputs: sigma)" in warning
+    assert "node 'log' (Log)" in warning and "the random values of input(s) sigma (those that reach it) caused it" \
+        in warning
+    assert r.details["nonfinite"]["origins"] == {"y": {"node": "log", "op": "Log", "inputs": ["sigma"]}}
     assert "validation.data=PATH" in warning and "'y' is not finite" in warning
     assert warning in r.details["warnings"]
 
@@ -98,7 +100,7 @@ def test_nan_at_other_places_fails_without_advising_a_higher_precision(tmp_path)
                       fix="use a higher precision (precision=fp32)")
     msg, fix = e.value.message, e.value.fix
     assert "non-finite values and the build is non-finite at other places" in msg
-    assert "random inputs caused it" in msg
+    assert "the generated random values of input(s) sigma caused it" in msg
     assert "validation.data" in fix and "precision" not in fix
 
 
