@@ -63,7 +63,8 @@ def test_two_workers_on_two_pools_each_take_only_their_own_targets_with_authenti
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING")}
     env.update(PREFECT_HOME=str(tmp_path / "prefect"), MLFLOW_TRACKING_URI=mlflow_url,
                MLFLOW_TRACKING_USERNAME="admin", MLFLOW_TRACKING_PASSWORD=password,
-               PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="1")
+               PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="1",
+               TRTFORGE_FARM_WORKDIR=str(tmp_path / "farm"))  # the workers' folders in the test's own
     old = dict(os.environ)
     os.environ.update(env)
     os.environ.pop("PREFECT_API_URL", None)
