@@ -35,6 +35,12 @@ def _rss() -> int:
 
 
 def test_every_tensor_shape_from_the_profile_matches_exposing_them_in_a_fraction_of_the_memory():
+    from tests.tasks.common.test_memory import in_a_fresh_process
+
+    in_a_fresh_process("shapes_from_the_profile_in_a_fraction_of_the_memory", __name__)
+
+
+def shapes_from_the_profile_in_a_fraction_of_the_memory():
     model = chain_model()
     rng = np.random.default_rng(0)
     feeds = [rng.standard_normal((n, t)).astype(np.float32) for n, t in ((1, 8), (2, 64), (4, 1 << 20))]
