@@ -67,7 +67,8 @@ def farm_build(overrides: list[str], config_dir: str | None = None, shipped: dic
     from flows.local.private import ensure
 
     # the fetched models, data and the modules the build imports: this user's alone (0700), refused (exit 2) otherwise
-    store, workdir = FarmStore(s["store"]), ensure(Path(s["workdir"]).expanduser(), "the farm worker's folder")
+    store, workdir = FarmStore(s["store"]), ensure(Path(s["workdir"]).expanduser(), "the farm worker's folder",
+                                                   "TRTFORGE_FARM_WORKDIR (or workdir in conf/farm.yaml)")
     build_dir, build_overrides = config_dir, overrides
     if shipped is not None:  # the build reads the fetched copies, never the submitter's paths
         build_dir, extra = materialize(shipped, workdir, store.get_blob)

@@ -92,10 +92,11 @@ def writable_by_others(path: Path) -> str | None:
     return None
 
 
-def ensure(path: Path, what: str | None = None) -> Path:
+def ensure(path: Path, what: str | None = None, chosen_by: str | None = None) -> Path:
     """`path` as a private folder of this user, made (mode 0700) when missing; NotPrivate (exit 2) naming it, why and
     the fix when it is not. With `what` (who keeps its state there) the message says so and why it matters: nothing is
-    written there, and nothing read from it trusted."""
+    written there, and nothing read from it trusted. ``chosen_by`` names the setting that chose the folder, for the fix
+    (default: the variables that choose the runtime and cache folders)."""
     name = f"{what} {path}" if what else str(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -108,16 +109,16 @@ def ensure(path: Path, what: str | None = None) -> Path:
     why = problem(path)
     if why:
         risk = ": other users could plant links or records there, or read it" if what else ""
-        raise NotPrivate(f"{name} {why}{risk}", fix=fix_for(path, why))
+        raise NotPrivate(f"{name} {why}{risk}", fix=fix_for(path, why, chosen_by))
     return path
 
 
-def fix_for(path: Path, why: str) -> str:
-    """How to make `path` private, given why it is not (problem())."""
+def fix_for(path: Path, why: str, chosen_by: str | None = None) -> str:
+    """How to make `path` private, given why it is not (problem()); ``chosen_by`` names the setting that chose it."""
     if why.startswith("has mode"):
-        return f"chmod 700 {path}"
-    return (f"remove {path} (as its owner, or root) and run again, or point the variable that chose it "
-            f"(XDG_CACHE_HOME, XDG_RUNTIME_DIR, PREFECT_HOME) at a folder of yours with mode 0700")
+        return f"chmod 700 {path}" + (f", or point {chosen_by} at a folder of yours with mode 0700" if chosen_by else "")
+    chooser = chosen_by or "the variable that chose it (XDG_CACHE_HOME, XDG_RUNTIME_DIR, PREFECT_HOME)"
+    return f"remove {path} (as its owner, or root) and run again, or point {chooser} at a folder of yours with mode 0700"
 
 
 def require(path: Path, what: str) -> Path:

@@ -112,20 +112,15 @@ def _exposed_parts(model: onnx.ModelProto, floats: list[str], subtractions: list
     """``floats`` in parts whose values take at most EXPOSED_MIB on every feed (one part when they all fit, the usual
     case), a subtraction's operands and result in one part (its cancellation is judged from the three at once). Every
     exposed value stays alive until its run ends: a TTS model's float values at 32 tokens took 7.6 GB at once. Sizes
-    from ONNX Runtime's profile of a plain run of each feed's first sample (tasks.partition.segments.tensor_shapes)."""
-    from tasks.partition.segments import tensor_shapes
-
+    at each distinct input shape of the feeds' first samples: from ONNX shape inference, without a run, where it knows
+    every value's shape; else from ONNX Runtime's profile of a plain run."""
     wanted = set(floats)
     samples = [{k: (v[:1] if getattr(v, "ndim", 0) else v) for k, v in f.items()} if _batched(f) else f for f in feeds]
-    try:
-        runs = tensor_shapes(model, floats, samples)
-    except Exception:  # noqa: BLE001 - a model that takes no other batch (or cannot run here): sized on the whole feeds
-        try:
-            runs = tensor_shapes(model, floats, feeds)
-        except Exception:  # noqa: BLE001 - the range check itself reports why the model cannot run
+    size = _static_sizes(model, floats, samples)
+    if size is None:
+        size = _profiled_sizes(model, floats, samples, feeds)
+        if size is None:
             return [floats]
-    size = {n: max((int(np.prod(r[n][0], dtype=np.int64)) * np.dtype(r[n][1]).itemsize for r in runs if n in r),
-                   default=0) for n in floats}
     if sum(size.values()) <= EXPOSED_MIB << 20:
         return [floats]
     group = {n: i for i, n in enumerate(floats)}  # each value its own group; a subtraction's three values one group
@@ -145,6 +140,55 @@ def _exposed_parts(model: onnx.ModelProto, floats: list[str], subtractions: list
         part += members[i]
         used += need
     return parts + ([part] if part else [])
+
+
+def _distinct_shapes(feeds: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+    """One feed per distinct set of input shapes (sizes depend on shapes only)."""
+    seen: dict[tuple, dict[str, np.ndarray]] = {}
+    for f in feeds:
+        seen.setdefault(tuple(sorted((k, tuple(np.shape(v))) for k, v in f.items())), f)
+    return list(seen.values())
+
+
+def _static_sizes(model: onnx.ModelProto, floats: list[str], samples: list[dict[str, np.ndarray]]) -> dict[str, int] | None:
+    """{value: bytes} of ``floats`` at each sample's input shapes (the largest over samples) from ONNX shape inference,
+    without running the model; None when inference leaves a value's shape or type unknown."""
+    from tasks.graph.flops import inferred_at
+
+    size = dict.fromkeys(floats, 0)
+    for sample in _distinct_shapes(samples):
+        m = inferred_at(model, {k: np.shape(v) for k, v in sample.items()})
+        if m is None:
+            return None
+        known = {}
+        for vi in (*m.graph.value_info, *m.graph.output):
+            t = vi.type.tensor_type
+            if t.elem_type and t.HasField("shape") and all(d.HasField("dim_value") for d in t.shape.dim):
+                known[vi.name] = int(np.prod([d.dim_value for d in t.shape.dim], dtype=np.int64)) * \
+                    onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).itemsize
+        del m
+        if any(n not in known for n in floats):
+            return None
+        for n in floats:
+            size[n] = max(size[n], known[n])
+    return size
+
+
+def _profiled_sizes(model: onnx.ModelProto, floats: list[str], samples: list[dict[str, np.ndarray]],
+                    feeds: list[dict[str, np.ndarray]]) -> dict[str, int] | None:
+    """{value: bytes} of ``floats`` from ONNX Runtime's profile of plain runs (tasks.partition.segments.tensor_shapes)
+    of one sample per distinct input shape; None when the model cannot run here."""
+    from tasks.partition.segments import tensor_shapes
+
+    try:
+        runs = tensor_shapes(model, floats, _distinct_shapes(samples))
+    except Exception:  # noqa: BLE001 - a model that takes no other batch (or cannot run here): sized on the whole feeds
+        try:
+            runs = tensor_shapes(model, floats, _distinct_shapes(feeds))
+        except Exception:  # noqa: BLE001 - the range check itself reports why the model cannot run
+            return None
+    return {n: max((int(np.prod(r[n][0], dtype=np.int64)) * np.dtype(r[n][1]).itemsize for r in runs if n in r),
+                   default=0) for n in floats}
 
 
 def _session_exposing(m: onnx.ModelProto, floats: list[str]):

@@ -344,3 +344,20 @@ def test_the_shared_cache_serves_one_workers_entry_to_another_with_its_reads_und
     assert calls == ["a", "b"]
     with get_client(sync_client=True) as client:
         assert client.read_global_concurrency_limit_by_name(lease_name("calibrate-qdq", key)).active_slots == 0
+
+
+def test_a_worker_refuses_a_folder_other_users_could_write_naming_the_setting_that_chose_it(tmp_path, monkeypatch):
+    """The worker's folder holds the models it fetched and the modules a build imports: one another user could write
+    is refused (exit 2) before anything is fetched, and the fix names the setting that chose the folder."""
+    from flows.farm import farm_build
+    from tasks.common.errors import ConfigError
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("TRTFORGE_FARM_WORKDIR", str(shared))
+    with pytest.raises(ConfigError) as e:
+        farm_build.fn(["model=ppocr_det"], farm={"store": (tmp_path / "store").as_uri()})
+    assert "the farm worker's folder" in e.value.message and "other users" in e.value.message
+    assert "TRTFORGE_FARM_WORKDIR" in e.value.fix and e.value.exit_code == 2
+    assert not (tmp_path / "store").exists()  # nothing fetched nor written
