@@ -54,3 +54,43 @@ def quiet_native(terminal_fd_holder: list | None = None) -> Iterator[Captured]:
                 term.close()
             sink.seek(0)
             captured.text = sink.read().decode(errors="replace")
+
+
+_DEFERRED: list[int] = []  # signals received while native code that calls back into Python runs (deferred_signals)
+
+
+def signal_pending() -> bool:
+    """Whether a Ctrl-C or SIGTERM arrived during deferred_signals and waits to be delivered: a TensorRT progress
+    monitor returns False on it, which cancels the build at its next step."""
+    return bool(_DEFERRED)
+
+
+@contextlib.contextmanager
+def deferred_signals() -> Iterator[None]:
+    """SIGINT and SIGTERM recorded, not handled, while native code that calls back into Python runs (TensorRT's
+    parser and builder call the logger and the progress monitor): TensorRT catches an exception raised in a callback
+    ("Exception caught in log()") and carries on, so a Ctrl-C or a SIGTERM whose handler raised there would be lost
+    and the build would run on. Each signal received is delivered again, to the handler it had, once the native call
+    returns. Signals that are ignored or end the process by default keep doing so; off the main thread (where no
+    handler runs) nothing changes."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = len(_DEFERRED)
+    old = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(sig)
+        if callable(handler):
+            old[sig] = signal.signal(sig, lambda s, _frame: _DEFERRED.append(s))
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        received = list(dict.fromkeys(_DEFERRED[before:]))
+        del _DEFERRED[before:]
+        for sig in received:
+            signal.raise_signal(sig)  # its own handler runs now, outside the native call

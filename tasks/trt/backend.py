@@ -15,6 +15,7 @@ from functools import lru_cache
 from typing import Any
 
 from tasks.common.errors import StageError, UnavailableError
+from tasks.common.native import deferred_signals, signal_pending
 from tasks.common.errors import NOISE
 from tasks.trt.messages import builder_fix, clean_message, node_named_in, route_around, unique
 
@@ -190,7 +191,8 @@ class Backend:
     def support_report(self, model_bytes: bytes, model_path: str) -> SupportReport:
         builder, network, parser = self.parser()  # noqa: F841 - alive while the parser works
         report = SupportReport()
-        report.fully_supported = bool(parser.supports_model_v2(model_bytes, model_path))
+        with deferred_signals():
+            report.fully_supported = bool(parser.supports_model_v2(model_bytes, model_path))
         for i in range(parser.num_subgraphs):
             report.subgraphs.append({"nodes": [int(n) for n in parser.get_subgraph_nodes(i)],
                                      "supported": bool(parser.is_subgraph_supported(i))})
@@ -204,7 +206,9 @@ class Backend:
         """A full parse (what the builder will see); [] when it parses, else the parser's errors."""
         logger = self.logger()
         builder, network, parser = self.parser(logger)  # noqa: F841 - alive while the parser works
-        if parser.parse(model_bytes, model_path):
+        with deferred_signals():
+            parsed = parser.parse(model_bytes, model_path)
+        if parsed:
             return []
         errs = [parser.get_error(i) for i in range(parser.num_errors)]
         return [{"node": int(e.node()), "name": e.node_name(), "op": e.node_operator(), "reason": clean_message(e.desc())} for e in errs] \
@@ -217,7 +221,9 @@ class Backend:
         trt = self.trt
         logger = self.logger()
         builder, network, parser = self.parser(logger)
-        if not parser.parse_from_file(model_path):
+        with deferred_signals():
+            parsed = parser.parse_from_file(model_path)
+        if not parsed:
             errs = [parser.get_error(i) for i in range(parser.num_errors)]
             # the parser reports one failure at every level it passes (a node, the If or Loop around it, the graph):
             # each reason once, under the first node that gave it
@@ -240,9 +246,9 @@ class Backend:
             for name, r in prof.items():
                 p.set_shape(name, tuple(r["min"]), tuple(r["opt"]), tuple(r["max"]))
             config.add_optimization_profile(p)
-        if progress is not None:
-            config.progress_monitor = progress
-        serialized = builder.build_serialized_network(network, config)
+        config.progress_monitor = progress if progress is not None else signal_monitor(trt)
+        with deferred_signals():  # a Ctrl-C or SIGTERM cancels the build at its next step and is delivered after it
+            serialized = builder.build_serialized_network(network, config)
         if serialized is None or serialized.nbytes == 0:
             errs = list(dict.fromkeys(logger.errors()))  # the builder's words once (it logs some twice)
             culprit = node_named_in(model_path, errs)
@@ -286,12 +292,31 @@ def deadline_monitor(trt, seconds: float) -> Any:
         def step_complete(self, phase_name, step):
             if time.monotonic() > self.until:
                 self.cancelled = True
-            return not self.cancelled  # False cancels the build
+            return not self.cancelled and not signal_pending()  # False cancels the build
 
         def phase_finish(self, phase_name):
             pass
 
     return Deadline()
+
+
+def signal_monitor(trt) -> Any:
+    """A trt.IProgressMonitor that only cancels the build when a Ctrl-C or SIGTERM waits to be delivered
+    (tasks.common.native.deferred_signals)."""
+    class Interruptible(trt.IProgressMonitor):
+        def __init__(self):
+            trt.IProgressMonitor.__init__(self)
+
+        def phase_start(self, phase_name, parent_phase, num_steps):
+            pass
+
+        def step_complete(self, phase_name, step):
+            return not signal_pending()  # False cancels the build
+
+        def phase_finish(self, phase_name):
+            pass
+
+    return Interruptible()
 
 
 def progress_monitor(trt, console_file) -> Any:
@@ -319,7 +344,7 @@ def progress_monitor(trt, console_file) -> Any:
             t = self.tasks.get(phase_name)
             if t is not None:
                 progress.update(t, completed=int(step) + 1)
-            return True  # False would cancel the build
+            return not signal_pending()  # False cancels the build: a Ctrl-C or SIGTERM waits to be delivered
 
         def phase_finish(self, phase_name):
             t = self.tasks.pop(phase_name, None)

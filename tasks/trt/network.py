@@ -137,7 +137,11 @@ def _network(path: Path, profile: dict, backend):
     # driver, and each parse error once per level it passes, to stderr), the causes kept once each
     logger = backend.logger()
     builder, network, parser = backend.parser(logger)
-    if not parser.parse(model.SerializeToString(), str(path)):
+    from tasks.common.native import deferred_signals
+
+    with deferred_signals():
+        parsed = parser.parse(model.SerializeToString(), str(path))
+    if not parsed:
         errs = "; ".join(unique(cause(parser.get_error(i).desc()) for i in range(parser.num_errors))
                          or logger.errors())
         raise StageError(f"the precision profile could not parse the graph at the opt shape: {errs}",

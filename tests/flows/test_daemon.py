@@ -58,13 +58,31 @@ def as_job(background: bool):
     return preexec
 
 
+_started: list[subprocess.Popen] = []  # CLIs started without waiting: none outlives its test, whatever the test found
+
+
+@pytest.fixture(autouse=True)
+def no_build_outlives_its_test():
+    yield
+    while _started:
+        p = _started.pop()
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait(30)
+
+
 def cli(w, *extra: str, wait: bool = True, flags: tuple[str, ...] = (), background: bool = False):
     tmp, conf, env, _ = w
     args = [sys.executable, "-m", "flows.build", *flags, "--config-dir", str(conf), "model=tiny", "stages.benchmark=false",
             f"out_dir={tmp / 'out'}", f"cache_dir={tmp / 'cache'}", *extra]
     if not wait:  # a process group of its own, as a shell runs a job: the test's Ctrl-C and Ctrl-Z go to the group
-        return subprocess.Popen(args, cwd=tmp, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, process_group=0, preexec_fn=as_job(background))
+        _started.append(subprocess.Popen(args, cwd=tmp, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True, process_group=0,
+                                         preexec_fn=as_job(background)))
+        return _started[-1]
     return subprocess.run(args, cwd=tmp, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
 
 
