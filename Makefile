@@ -52,12 +52,16 @@ build: $(STAMP) $(if $(PADDLE_MODEL),$(PADDLE_STAMP))
 	@$(PY) -m compileall -q flows tasks >/dev/null || true
 	$(PY) -m flows.build target=$(TARGET) $(if $(MODEL),model=$(MODEL)) $(if $(PRECISION),precision=$(PRECISION)) $(ARGS)
 
+# the suite in TEST_WORKERS processes (pytest-xdist), a test file's tests in one of them (tests/conftest.py): most tests
+# wait on subprocesses, servers and single-threaded Python, so one process keeps 2 cores less than half busy;
+# TEST_WORKERS=0 runs it in this process
+TEST_WORKERS ?= 2
 test: $(STAMP) $(PADDLE_STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # everyday work: the suite without the `slow` tests (whole flows, several real engines); CI runs `make test`
 test-quick: $(STAMP) $(PADDLE_STAMP)
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not slow" $(PYTEST_ARGS)
 
 # one pass of the scheduled rebuild; `make rebuild rebuild_out=r.json`
 rebuild: $(STAMP)

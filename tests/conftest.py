@@ -35,6 +35,17 @@ import pytest  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 PKG_MODELS = "pkg://rapidocr_onnxruntime/models/"
 
+# In a parallel run (make test: pytest-xdist, --dist loadgroup) a file's tests share one worker, as its module fixtures
+# expect; these files share one too: they act as the same other local user and look for that user's processes.
+_SHARED_WORKER = {"test_local_isolation.py": "another-local-user", "test_local_isolation_ui.py": "another-local-user",
+                  "test_local_state.py": "another-local-user"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = _SHARED_WORKER.get(item.path.name, str(item.path.relative_to(REPO)))
+        item.add_marker(pytest.mark.xdist_group(group))
+
 
 def pkg_model(name: str) -> Path:
     from tasks.graph.models import resolve_source

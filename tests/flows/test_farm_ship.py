@@ -148,7 +148,7 @@ def test_two_hosts_build_a_users_model_calibrating_once_and_survive_a_killed_wor
                MLFLOW_TRACKING_USERNAME="admin", MLFLOW_TRACKING_PASSWORD=password,
                PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="1",
                PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS="1",  # expired leases are taken back at once
-               TRTFORGE_FARM_LEASE_SECONDS="60", TRTFORGE_FARM_WAIT_SECONDS="600")
+               TRTFORGE_FARM_LEASE_SECONDS="30", TRTFORGE_FARM_WAIT_SECONDS="600")
     old = dict(os.environ)
     os.environ.update(env)
     os.environ.pop("PREFECT_API_URL", None)
@@ -247,7 +247,7 @@ def test_two_hosts_build_a_users_model_calibrating_once_and_survive_a_killed_wor
         assert len(new) == 1
         origin = store.get_json(f"cache/calibrate-qdq/{new.pop()}/result.json")["origin"]
         assert origin["at"] >= killed, (origin, killed)
-        assert time.monotonic() - t0 < 300  # waited for the dead worker's lease to expire (60 s), not forever
+        assert time.monotonic() - t0 < 300  # waited for the dead worker's lease to expire (30 s), not forever
         assert not held_leases(url)
         assert store.get_json(f"runs/{first.id}.json") is None  # the killed build left no result
     finally:
