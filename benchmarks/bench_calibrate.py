@@ -20,8 +20,9 @@ a child process: it patches ONNX Runtime's calibrators in the process that impor
 accuracy.min_cosine=0.99, the benchmark stage off), on 24 rendered text pages given as `calibration.data` alone (a folder
 of .npz files: the build splits them into calibration, the search's held-out set and validation). Cases: `det24`
 (PP-OCRv4 det, conf/model/ppocr_det) and `det_v5` (PP-OCRv5 mobile det, benchmarks/zoo/model/ppocr_det_v5.yaml; needs
-`benchmarks/zoo.py --install`). Prints the calibrate stage's seconds, its whole-model runs, the search's figure against
-validation's, the int8 FLOPs share and the precision boundaries. Single runs on a shared host: indicative only.
+`benchmarks/zoo.py --install`). Prints the calibrate stage's seconds, the CLI run's CPU seconds, the search's whole-model
+runs, the search's figure against validation's, the int8 FLOPs share and the precision boundaries, then the stage's
+seconds by step. Single runs on a shared host: indicative only.
     .venv/bin/pip install --no-deps -r benchmarks/modelopt-requirements.txt   # for the ModelOpt table
 """
 from __future__ import annotations
@@ -239,19 +240,34 @@ def stage_case(case: str, pages: int, size: int, tmp: Path) -> dict:
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{run / 'mlflow.db'}", PREFECT_HOME=str(run / "prefect"),
                PREFECT_SERVER_ANALYTICS_ENABLED="false", MLFLOW_DISABLE_TELEMETRY="true", DO_NOT_TRACK="true")
     run.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), _children_cpu()
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if not (run / "summary.json").is_file():
         raise SystemExit(f"{case}: no summary (exit {proc.returncode}): {proc.stderr[-1500:]}")
-    return {**json.loads((run / "summary.json").read_text()), "wall": wall}
+    timing: dict = {}  # the search's seconds per step, from the calibrate stage's cached result (not in summary.json)
+    for result in (run / "cache" / "calibrate-qdq").glob("*/result.json"):
+        for seg in json.loads(result.read_text()).get("details", {}).get("segments", []):
+            for k, v in (seg.get("search_timing") or {}).items():
+                timing[k] = timing.get(k, 0.0) + v
+    return {**json.loads((run / "summary.json").read_text()), "wall": wall, "timing": timing,
+            "cpu": _children_cpu() - cpu0}
+
+
+def _children_cpu() -> float:
+    """CPU seconds (user + system) of this process's finished children: the CLI run's, all its threads."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
 
 
 def stage_table(cases: list[str], pages: int, size: int) -> None:
     print(f"the calibrate stage as users run it: {pages} text pages of {size}x{size} as calibration.data alone, "
           f"min_cosine 0.99, sm_86; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f} (shared host: indicative)")
-    print(f"{'case':<8} {'status':<7} {'cal s':>6} {'wall s':>7} {'runs':>5} {'sets':>9} {'margin':>7} {'search':>8} "
-          f"{'valid.':>8} {'int8 FLOPs':>10} {'conv int8':>9} {'reformats':>9}")
+    print(f"{'case':<8} {'status':<7} {'cal s':>6} {'wall s':>7} {'CPU s':>6} {'runs':>5} {'sets':>9} {'margin':>7} "
+          f"{'search':>8} {'valid.':>8} {'int8 FLOPs':>10} {'conv int8':>9} {'reformats':>9}")
+    steps = []
     with tempfile.TemporaryDirectory(prefix="trtforge-bench-stage-") as tmp:
         for case in cases:
             s = stage_case(case, pages, size, Path(tmp))
@@ -261,11 +277,23 @@ def stage_table(cases: list[str], pages: int, size: int) -> None:
             def f(k, spec):
                 return format(m[k], spec) if isinstance(m.get(k), (int, float)) else "-"
             share = m.get("flops_share", {}).get("int8")
-            print(f"{case:<8} {s['status']:<7} {s['stages'].get('calibrate', {}).get('seconds', 0):>6.1f} "
-                  f"{s['wall']:>7.1f} {f('search_runs', 'd'):>5} {sets:>9} {f('search_margin', '.3f'):>7} "
+            cal = s['stages'].get('calibrate', {}).get('seconds', 0)
+            steps.append(f"{case}: " + ", ".join(f"{k} {v:.1f}" for k, v in s["timing"].items())
+                         + f", the rest of the stage {cal - sum(s['timing'].values()):.1f} (data, fp32 references, "
+                           f"graph preparation, ranges, fp16 range checks, engine build, report)")
+            print(f"{case:<8} {s['status']:<7} {cal:>6.1f} "
+                  f"{s['wall']:>7.1f} {s['cpu']:>6.1f} {f('search_runs', 'd'):>5} {sets:>9} {f('search_margin', '.3f'):>7} "
                   f"{f('search_cosine', '.5f'):>8} {f('cosine_min', '.5f'):>8} "
                   f"{'-' if share is None else format(share, '.1%'):>10} {f('conv_int8_share', '.1%'):>9} "
                   f"{f('reformat_layers', 'd'):>9}")
+    print("the calibrate stage's seconds by step (the search's own timing, details.search_timing: ranges_chosen = each "
+          "tensor's range by its layer's local error on 8 calibration pages; ranking = every layer quantized judged "
+          "with each set of ranges, the layers ranked; search = the restore search's judgements, its screen and the "
+          "boundary step; written_graph = the written graph checked against the search's session):")
+    for line in steps:
+        print("  " + line)
+    print("  CPU s: the whole CLI run's CPU seconds, every thread (on 2 cores, about twice a quiet host's wall time "
+          "where both are busy); runs: whole-model runs of one sample in the accuracy search")
 
 
 def main() -> int:

@@ -60,11 +60,12 @@ def ort_session(model: Path | bytes, *, optimization: str = "all", threads: int 
         raise StageError(f"ONNX Runtime cannot load the model: {cause(e)}", stage=stage, file=where) from e
 
 
-def ort_run(session, feed: dict[str, np.ndarray], stage: str = "validate") -> dict[str, np.ndarray]:
-    """{output name: array} of one run."""
+def ort_run(session, feed: dict[str, np.ndarray], stage: str = "validate",
+            options=None) -> dict[str, np.ndarray]:
+    """{output name: array} of one run (``options``: its onnxruntime.RunOptions, e.g. from ``RunControl``)."""
     try:
         names = [o.name for o in session.get_outputs()]
-        return dict(zip(names, session.run(names, feed)))
+        return dict(zip(names, session.run(names, feed, options)))
     except Exception as e:
         shapes = {k: list(v.shape) for k, v in feed.items()}
         raise StageError(f"ONNX Runtime failed on inputs {shapes}: {cause(e)}", stage=stage) from e
@@ -86,7 +87,8 @@ def run_workers() -> tuple[int, int]:
     return workers, max(1, cores // workers)
 
 
-def ordered_runs(run: Callable, items, workers: int, keep: Callable | None = None) -> Iterator:
+def ordered_runs(run: Callable, items, workers: int, keep: Callable | None = None,
+                 abandon: Callable | None = None) -> Iterator:
     """``run(item)`` for each of ``items`` in order, up to ``workers`` of them running at once (ONNX Runtime releases
     the GIL while it runs). Runs of a session with fewer threads each (``run_workers``): a session's threads sleep
     between the parallel parts of its nodes (no spinning), and a graph of many small nodes waits on their wake-ups;
@@ -94,7 +96,9 @@ def ordered_runs(run: Callable, items, workers: int, keep: Callable | None = Non
     on an idle 2-core host, 4 alternating rounds: 0.104-0.128 s a page against 0.110-0.145 s one run at a time on two
     threads). The results are those of one run at a time of the same session. A consumer that stops early leaves
     nothing running: the runs started ahead are finished, and ``keep(item, result)`` gets each (a judgement refused
-    after a few feeds keeps the run ahead for the next judgement of the same candidate). Each run ahead goes on a
+    after a few feeds keeps the run ahead for the next judgement of the same candidate); with ``abandon``, each run
+    ahead is first told to stop (``abandon(item)``, e.g. ``RunControl.stop``): a run that stops raises and is dropped,
+    one that finished first is kept. Each run ahead goes on a
     thread of its own, a daemon (~0.1 ms to start against a run's ~0.1 s): no pool outlives the call, so nothing
     holds up the CLI's exit (flows/cli.exit_now joins every thread that is not a daemon) or a forked child."""
     if workers <= 1:
@@ -110,6 +114,9 @@ def ordered_runs(run: Callable, items, workers: int, keep: Callable | None = Non
         while ahead:
             yield ahead.popleft()[1].result()
     finally:
+        if abandon is not None:
+            for item, _ in ahead:
+                abandon(item)
         for item, future in ahead:
             try:
                 out = future.result()
@@ -117,6 +124,39 @@ def ordered_runs(run: Callable, items, workers: int, keep: Callable | None = Non
                 continue
             if keep is not None:
                 keep(item, out)
+
+
+class RunControl:
+    """Runs that can be told to stop, by a key of the caller's (``ordered_runs``' ``abandon``): ``options(key)`` gives
+    a run its onnxruntime.RunOptions, ``stop(key)`` sets their terminate flag (ONNX Runtime checks it between nodes and
+    raises), so a run nobody will read gives its core back at once instead of running to its end."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._lock = threading.Lock()
+        self._live: dict = {}
+
+    def options(self, key):
+        import onnxruntime as ort
+
+        ro = ort.RunOptions()
+        ro.log_severity_level = 4
+        with self._lock:
+            self._live[key] = ro
+        return ro
+
+    def stop(self, key) -> None:
+        with self._lock:
+            ro = self._live.pop(key, None)
+        if ro is not None:
+            ro.terminate = True
+
+    def done(self, key, ro) -> None:
+        """The run of ``key`` with options ``ro`` ended: nothing left to stop."""
+        with self._lock:
+            if self._live.get(key) is ro:
+                del self._live[key]
 
 
 def _started(run: Callable, item):

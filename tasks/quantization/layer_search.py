@@ -61,9 +61,10 @@ class SearchState:
     sensitivity: list[dict] = field(default_factory=list)
     closest: list[dict] = field(default_factory=list)  # a refusal's closest layers, each judged alone
     range_choice: dict = field(default_factory=dict)
-    search_runs: int = 0
+    search_runs: int = 0  # whole-model runs of every session the search judged on (the ranges race's loser too)
     boundary_choice: dict | None = None  # the layers judged back to save precision boundaries, and whether they met
     timing: dict = field(default_factory=dict)
+    retired_runs: int = 0  # runs of a session the search judged on and then left (the ranges race's loser)
     judged_refs: list[dict] = field(init=False)  # what a candidate's outputs are judged against, and on which inputs
     judged_inputs: list[Feed] = field(init=False)
 
@@ -96,7 +97,7 @@ def judge_every_layer(s: SearchState) -> None:
         s.scorer = s.switchable(s.q)
         if s.choose and s.pooled:  # only whether it meets, refused after a few feeds when far below: other ranges
             # race it below, and the figure reported is the one of the ranges kept (measured on every feed)
-            s.all_met = s.scorer.meets(layers, float(min_cosine))
+            s.all_met = s.scorer.meets(layers, float(min_cosine), again=True)  # judged again in the race
             s.cos_all = Judged(*s.scorer.last) if s.all_met else None
         else:
             s.cos_all = Judged.of(s.scorer.outputs(layers), s.judged_refs, s.judged_inputs, s.metric,
@@ -133,7 +134,7 @@ def search_layers(s: SearchState) -> None:
         fewer_boundaries(s)
     s.timing["search"] = time.perf_counter() - clock - sum(s.timing.values())
     judge_written_graph(s, harm)
-    s.search_runs = s.scorer.runs
+    s.search_runs = s.scorer.runs + s.retired_runs
     s.timing["written_graph"] = time.perf_counter() - clock - sum(s.timing.values())
     annotate_sensitivity(s, local)
     if not s.chosen:
@@ -155,6 +156,7 @@ def choose_ranges(s: SearchState, rank_feeds: list[Feed], all_bound: float | Non
     if own_wins and s.cos_all is None:
         s.cos_all = Judged(*s.scorer.last)
         all_bound = s.cos_all.bound
+    s.retired_runs += s_local.runs if own_wins else s.scorer.runs  # the loser's runs count too
     if not own_wins:
         s.q, s.scorer, all_bound, s.range_choice = q_local, s_local, c_local, picked
         s.cos_all = Judged(*s_local.last, worst=None)  # every layer quantized, as the search compares them
@@ -187,9 +189,10 @@ def restore_layers(s: SearchState, local: dict, rank_feeds: list[Feed], flops: d
         return ok
 
     def screen(base: list[str], candidates: list[str]) -> dict[str, float]:
-        at = min(scorer.cosines(base, rank_feeds[:HARM_FEEDS], rank_refs))
-        return {n: at - min(scorer.cosines([*base, n], rank_feeds[:HARM_FEEDS], rank_refs))
-                for n in candidates}  # the loss of quantizing each alone on top of base, same page
+        # the loss of quantizing each alone on top of base, same page; the runs two at a time
+        at, *each = (min(c) for c in scorer.cosines_each([base, *([*base, n] for n in candidates)],
+                                                         rank_feeds[:HARM_FEEDS], rank_refs))
+        return {n: at - c for n, c in zip(candidates, each)}
 
     why: dict[str, str] = {}
     s.chosen, _ = restore_search(layers, meets, harm, flops, screen=screen,

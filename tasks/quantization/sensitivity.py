@@ -21,7 +21,7 @@ from onnx import TensorProto, helper
 
 from tasks.accuracy.nonfinite import on_finite_reference
 from tasks.accuracy.metrics import cosine, pooled_cosine_of, pooled_estimate, pooled_sums
-from tasks.onnxrt.ort import ordered_runs, ort_run, ort_session, run_workers
+from tasks.onnxrt.ort import RunControl, ordered_runs, ort_run, ort_session, run_workers
 from tasks.search.judging import meets_target, output_norms
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
@@ -80,6 +80,7 @@ class Switchable:
         self.workers, threads = run_workers() if through is None else (1, 0)
         self.session = ort_session(self.model.SerializeToString(), stage=STAGE, threads=threads)
         self._count = threading.Lock()
+        self._control = RunControl()  # the judgement's runs, by feed index: stopped when started ahead of a refusal
         self.feeds, self.refs, self.z = feeds, refs, z
         # a segment of a hybrid model (tasks.partition.segments.Through): candidates are judged on the model's outputs,
         # the rest of the model run on the segment's outputs (feed k of ``feeds`` is the model's feed k, ``refs`` its
@@ -91,6 +92,7 @@ class Switchable:
         # judged on the worst feed; None: the pooled cosine less z standard errors
         self.judge = judge
         self.runs = 0  # whole-model runs (one feed each)
+        self.stopped = 0  # runs started ahead of a refusal and stopped before their end (not in ``runs``)
         self._norms = output_norms(self.judged_refs)
         self._miss: dict[int, float] = {}  # per feed: the largest error share it showed (the hardest run first)
         self.last: tuple[float, float, float] | None = None  # (cosine, standard error, bound) of the last full judgement
@@ -101,10 +103,18 @@ class Switchable:
     def cosines(self, names, feeds: list[dict] | None = None, refs: list[dict] | None = None) -> list[float]:
         """Per feed (default: the search feeds): the lowest cosine of any of the graph's own outputs to its reference
         with exactly ``names`` quantized (never through the rest of a hybrid model: the search's ranking)."""
-        on = set(names)
-        outs = ordered_runs(lambda f: self._run(on, f), feeds or self.feeds, self.workers)
-        return [min(cosine(got[k], r[k]) for k in r)
-                for got, r in ((on_finite_reference(o, r), r) for o, r in zip(outs, refs or self.refs))]
+        return self.cosines_each([names], feeds, refs)[0]
+
+    def cosines_each(self, subsets: list, feeds: list[dict] | None = None,
+                     refs: list[dict] | None = None) -> list[list[float]]:
+        """``cosines`` of each of ``subsets``, their runs ``workers`` at a time across subsets (the screen's runs of one
+        feed each would otherwise run one at a time on one thread). The same figures as one ``cosines`` each."""
+        feeds, refs = feeds or self.feeds, refs or self.refs
+        pairs = [(set(names), k) for names in subsets for k in range(len(feeds))]
+        outs = ordered_runs(lambda p: self._run(p[0], feeds[p[1]]), pairs, self.workers)
+        per = [min(cosine(got[k], refs[i][k]) for k in refs[i])
+               for got, i in ((on_finite_reference(o, refs[k]), k) for o, (_, k) in zip(outs, pairs))]
+        return [per[j * len(feeds):(j + 1) * len(feeds)] for j in range(len(subsets))]
 
     def outputs(self, names) -> list[dict]:
         """Per search feed, what is judged with exactly ``names`` quantized: the graph's outputs, or through the rest of
@@ -125,18 +135,21 @@ class Switchable:
             self.last = pooled_estimate([pooled_sums(r, o) for o, r in zip(outs, self.judged_refs)], self.z)
         return self.last
 
-    def meets(self, names, target: float) -> bool:
+    def meets(self, names, target: float, again: bool = False) -> bool:
         """Whether the pooled cosine of the search feeds, less ``z`` standard errors, reaches ``target`` with ``names``
         quantized (another metric: every feed's value). The feeds that erred most before run first, and a candidate is
         refused as soon as the feeds run so far prove it cannot reach ``target`` even pooled alone (their error
         orthogonal to the reference already exceeds what the whole set allows; another metric: the first feed below):
-        most failing candidates are judged in a run or two."""
+        most failing candidates are judged in a run or two. A run started ahead of a refusal is stopped (it holds a
+        core, and nobody reads it), unless ``again``: the same subset is judged again next (every layer quantized,
+        first against the budget, then raced against other ranges), so what ran ahead is kept for that judgement."""
         on, at = set(names), {id(f): k for k, f in enumerate(self.judged_feeds)}
         # the feeds this subset ran before (judged against another target: every layer quantized, first against the
         # budget, then raced against other ranges) are not run again
         sums = self._sums.setdefault(frozenset(on), {}) if self.judge is None else {}
         ok, last = meets_target(lambda f: self._judged(on, at[id(f)]), self.judged_feeds, self.judged_refs, target,
-                                self._miss, self._norms, self.z, self.judge, sums, self.workers)
+                                self._miss, self._norms, self.z, self.judge, sums, self.workers,
+                                None if again else self._control.stop)
         if last is not None:
             self.last = last
         if ok and last is not None:
@@ -145,14 +158,24 @@ class Switchable:
         return ok
 
     def _judged(self, on: set, k: int) -> dict:
-        out = self._run(on, self.feeds[k])
+        ro = self._control.options(k)
+        try:
+            out = self._run(on, self.feeds[k], ro)
+        except Exception:
+            if ro.terminate:  # stopped ahead of a refusal: not a run of the model
+                with self._count:
+                    self.runs -= 1
+                    self.stopped += 1
+            raise
+        finally:
+            self._control.done(k, ro)
         return on_finite_reference(out if self.through is None else self.through(k, out), self.judged_refs[k])
 
-    def _run(self, on: set, feed: dict) -> dict:
+    def _run(self, on: set, feed: dict, options=None) -> dict:
         flags = {f: np.array(n in on) for n, f in self.flags.items()}
         with self._count:  # runs may go on several threads (ordered_runs)
             self.runs += 1
-        return ort_run(self.session, {**feed, **flags}, stage=STAGE)
+        return ort_run(self.session, {**feed, **flags}, stage=STAGE, options=options)
 
 
 def _layers_switched_on_codes(m: onnx.ModelProto, flags: set[str]) -> onnx.ModelProto:

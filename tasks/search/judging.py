@@ -17,7 +17,8 @@ Feed = dict[str, np.ndarray]
 
 def meets_target(run: Callable[[dict], dict], feeds: list[dict], refs: list[dict], target: float, miss: dict[int, float],
                  norms: dict[str, float], z: float = 1.0, judge=None,
-                 sums_of: dict[int, dict] | None = None, workers: int = 1) -> tuple[bool, tuple[float, float, float] | None]:
+                 sums_of: dict[int, dict] | None = None, workers: int = 1,
+                 abandon: Callable[[int], None] | None = None) -> tuple[bool, tuple[float, float, float] | None]:
     """Whether a candidate (``run``: feed -> outputs) meets ``target`` on ``feeds``: the pooled cosine less ``z``
     standard errors (``tasks.accuracy.metrics.pooled_estimate``), or with ``judge`` (another metric's value per feed, higher is
     better) every feed's value. The feeds that erred most before (``miss``, per feed, updated) run first, and the
@@ -26,7 +27,8 @@ def meets_target(run: Callable[[dict], dict], feeds: list[dict], refs: list[dict
     over the whole set; another metric: the first feed below). Returns (meets, the pooled estimate when every feed
     ran, else None; ``sums_of``, if given, gets each feed's ``pooled_sums`` by its index, and the feeds it holds already
     are not run again but counted first). ``workers``: feeds run that many at a time (``run`` must be thread-safe;
-    tasks.onnxrt.ort.ordered_runs), judged in the same order, with the same verdict and figure. Shared by the int8
+    tasks.onnxrt.ort.ordered_runs), judged in the same order, with the same verdict and figure; ``abandon(i)`` (if
+    given) stops the run of feed ``i`` started ahead of a refusal (``ordered_runs``). Shared by the int8
     search (``Switchable``) and fp16's (tasks/fp16/search.py)."""
     known = dict(sums_of) if sums_of else {}
     order = sorted(range(len(feeds)), key=lambda i: (i not in known, -miss.get(i, 0.0)))
@@ -36,7 +38,7 @@ def meets_target(run: Callable[[dict], dict], feeds: list[dict], refs: list[dict
             sums_of[i] = pooled_sums(refs[i], out)
 
     with contextlib.closing(ordered_runs(lambda i: run(feeds[i]), [i for i in order if i not in known], workers,
-                                         kept)) as outs:
+                                         kept, abandon)) as outs:
         return _meets(outs, feeds, refs, target, miss, norms, z, judge, sums_of, known, order)
 
 

@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tasks.common.errors import StageError
-from tasks.onnxrt.ort import ordered_runs, ort_run, ort_session
+from tasks.onnxrt.ort import RunControl, ordered_runs, ort_run, ort_session
 
 
 def _session():
@@ -73,6 +73,32 @@ def test_a_consumer_that_stops_leaves_no_run_going_and_keeps_what_ran_ahead():
     assert watch.inside == 0 and watch.started == 2  # the one started ahead finished, nothing else began
     assert list(kept) == [1] and np.array_equal(kept[1], ort_run(session, feeds[1])["y"])
     assert np.array_equal(first, ort_run(session, feeds[0])["y"])
+
+
+def test_a_consumer_that_stops_can_stop_the_runs_started_ahead():
+    """With ``abandon`` (RunControl.stop) the run started ahead is told to stop: ONNX Runtime ends it with an error,
+    nothing of it is kept, and the session runs on as before."""
+    session = _session()
+    feeds = _feeds(4)
+    control, kept, stopped = RunControl(), {}, []
+
+    def run(k):
+        ro = control.options(k)
+        try:
+            time.sleep(0.0 if k == 0 else 0.5)  # the run ahead is still to start when the consumer stops
+            return ort_run(session, feeds[k], options=ro)["y"]
+        except StageError:
+            stopped.append((k, ro.terminate))
+            raise
+        finally:
+            control.done(k, ro)
+
+    runs = ordered_runs(run, range(len(feeds)), 2, keep=lambda k, out: kept.setdefault(k, out), abandon=control.stop)
+    first = next(runs)
+    runs.close()
+    assert kept == {} and stopped == [(1, True)]
+    assert np.array_equal(first, ort_run(session, feeds[0])["y"])
+    assert np.array_equal(ort_run(session, feeds[1], options=control.options(1))["y"], ort_run(session, feeds[1])["y"])
 
 
 def test_a_failed_run_reaches_the_consumer_in_its_place():

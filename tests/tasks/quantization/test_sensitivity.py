@@ -111,7 +111,27 @@ def test_a_subset_judged_again_runs_only_the_feeds_it_has_not_run(tmp_path):
     refs = [run(f) for f in feeds]
     figure = Switchable(q, feeds, refs).estimate(q.layers)  # every feed: the subset's figure
     s = Switchable(q, feeds, refs)
-    assert not s.meets(q.layers, 1.0) and 0 < s.runs < len(feeds)  # refused after some feeds
+    assert not s.meets(q.layers, 1.0, again=True) and 0 < s.runs < len(feeds)  # refused after some feeds
     assert s.meets(q.layers, figure[2] - 1e-9)  # met: every feed counted, only the others run
     assert s.runs == len(feeds) and s.last == pytest.approx(figure, rel=1e-9, abs=1e-12)
     assert not s.meets(q.layers, figure[2] + 1e-6) and s.runs == len(feeds)  # judged again: nothing left to run
+
+
+def test_the_screen_runs_several_subsets_at_once_with_the_figures_of_each_alone(tmp_path):
+    """Switchable.cosines_each (the search's screen: one run per candidate on one page) runs the subsets' runs two at
+    a time and gives each subset's cosines as cosines() of it alone; the subsets differ."""
+    from tasks.quantization.sensitivity import Switchable
+
+    path = _model(tmp_path / "m.onnx")
+    rng = np.random.default_rng(3)
+    feeds = [{"x": rng.standard_normal((1, 3, 12, 12)).astype(np.float32) * s} for s in (1.0, 3.0)]
+    ranges, _ = ranges_from_feeds(path, feeds, "minmax", tmp_path)
+    q = Quantizer(path, ranges, "int8", "fp32")
+    run = ort_runner(path)
+    refs = [run(f) for f in feeds]
+    s = Switchable(q, feeds, refs)
+    subsets = [[], q.layers[:1], q.layers[1:], q.layers]
+    together = s.cosines_each(subsets, feeds, refs)
+    assert together == [s.cosines(names, feeds, refs) for names in subsets]
+    assert min(together[0]) > 1 - 1e-6 and all(max(c) < 1 - 1e-6 for c in together[1:])  # quantizing costs
+    assert together[1] != together[2]  # each subset its own runs
