@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 FLOW = "trtforge-farm-build"
 SENT = ("store", "lease_seconds", "wait_seconds")  # the submitter's settings a build runs with
 FINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+MIN_LEASE_SECONDS = 60  # Prefect's shortest concurrency lease: its API refuses a shorter one (422) mid-build
 
 
 def farm_settings() -> dict:
@@ -42,6 +43,12 @@ def farm_settings() -> dict:
         env = os.environ.get(f"TRTFORGE_FARM_{k.upper()}")
         if env is not None and not isinstance(v, dict):
             s[k] = type(v)(env) if isinstance(v, (int, float)) and not isinstance(v, bool) else env
+    if float(s["lease_seconds"]) < MIN_LEASE_SECONDS:
+        from tasks.common.errors import ConfigError
+
+        raise ConfigError(f"lease_seconds={s['lease_seconds']:g} (conf/farm.yaml, or TRTFORGE_FARM_LEASE_SECONDS) is "
+                          f"shorter than Prefect's shortest concurrency lease, {MIN_LEASE_SECONDS} s",
+                          fix=f"set lease_seconds to {MIN_LEASE_SECONDS} or more")
     return s
 
 

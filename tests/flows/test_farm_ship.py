@@ -148,7 +148,7 @@ def test_two_hosts_build_a_users_model_calibrating_once_and_survive_a_killed_wor
                MLFLOW_TRACKING_USERNAME="admin", MLFLOW_TRACKING_PASSWORD=password,
                PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="1",
                PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS="1",  # expired leases are taken back at once
-               TRTFORGE_FARM_LEASE_SECONDS="30", TRTFORGE_FARM_WAIT_SECONDS="600")
+               TRTFORGE_FARM_LEASE_SECONDS="60", TRTFORGE_FARM_WAIT_SECONDS="600")
     old = dict(os.environ)
     os.environ.update(env)
     os.environ.pop("PREFECT_API_URL", None)
@@ -247,7 +247,7 @@ def test_two_hosts_build_a_users_model_calibrating_once_and_survive_a_killed_wor
         assert len(new) == 1
         origin = store.get_json(f"cache/calibrate-qdq/{new.pop()}/result.json")["origin"]
         assert origin["at"] >= killed, (origin, killed)
-        assert time.monotonic() - t0 < 300  # waited for the dead worker's lease to expire (30 s), not forever
+        assert time.monotonic() - t0 < 300  # waited for the dead worker's lease to expire (60 s), not forever
         assert not held_leases(url)
         assert store.get_json(f"runs/{first.id}.json") is None  # the killed build left no result
     finally:
@@ -361,3 +361,15 @@ def test_a_worker_refuses_a_folder_other_users_could_write_naming_the_setting_th
     assert "the farm worker's folder" in e.value.message and "other users" in e.value.message
     assert "TRTFORGE_FARM_WORKDIR" in e.value.fix and e.value.exit_code == 2
     assert not (tmp_path / "store").exists()  # nothing fetched nor written
+
+
+def test_a_lease_shorter_than_prefect_allows_is_refused_naming_the_setting(monkeypatch):
+    from flows.farm import MIN_LEASE_SECONDS, farm_settings
+    from tasks.common.errors import ConfigError
+
+    monkeypatch.setenv("TRTFORGE_FARM_LEASE_SECONDS", "30")
+    with pytest.raises(ConfigError) as e:
+        farm_settings()
+    assert "lease_seconds=30" in e.value.message and str(MIN_LEASE_SECONDS) in e.value.fix
+    monkeypatch.setenv("TRTFORGE_FARM_LEASE_SECONDS", str(MIN_LEASE_SECONDS))
+    assert farm_settings()["lease_seconds"] == MIN_LEASE_SECONDS
