@@ -203,6 +203,11 @@ def _in_domain(d: Any, dt: Any, shape: list[int], rng: np.random.Generator, shap
         if d.segments and ids.size >= high:  # segment ids (a node's graph): sorted, every segment present
             ids = np.sort(np.concatenate([np.arange(high), ids.ravel()[high:]])).reshape(shape)
         return ids.astype(dt)
+    if d.kind == "size":  # a value that sets a size: near 1, so the shapes it sets stay near the model's own
+        from tasks.graph.meaning import SIZE_SPAN
+        span = np.log(SIZE_SPAN)
+        return np.exp(rng.uniform(-span, span, shape)).astype(dt) if np.issubdtype(dt, np.floating) \
+            else rng.integers(1, 3, shape).astype(dt)
     if d.kind == "positive":
         return np.exp(rng.standard_normal(shape)).astype(dt) if np.issubdtype(dt, np.floating) \
             else rng.integers(1, 10, shape).astype(dt)
