@@ -119,9 +119,9 @@ def _light(model: onnx.ModelProto, shapes: dict[str, list[int]]) -> onnx.ModelPr
 def estimate_of(path: Path, model: onnx.ModelProto | None, resident: int, profiles: list[dict] | None = None,
                 inputs_at: dict[str, list[int]] | None = None):
     """The lower bound of a build's peak (tasks.common.memory.Estimate) for the model at ``path`` (``model``: loaded,
-    with or without its external data; None: the file alone, not read yet), its processes holding ``resident`` bytes now. ``profiles``: the checked
-    profiles when a stage runs the model at their max shapes (validate on generated inputs), else None (no step
-    counted: nothing runs the model at them)."""
+    with or without its external data; None: the file alone, not read yet), its processes holding ``resident`` bytes
+    now. ``profiles``: the checked profiles when a stage runs the model at their max shapes (validate on generated
+    inputs), else None (no step counted: nothing runs the model at them)."""
     from tasks.common.memory import Estimate
 
     weights, side = weights_bytes(path, model)
