@@ -203,3 +203,26 @@ def test_an_input_whose_value_sets_an_output_s_length_is_drawn_near_1_so_the_sha
     s = split_data(inputs=inputs, profiles=prof, rules=rules, calibrate=False, search=False, validate=True)
     note = next(n for n in s.validation.notes if "domain the graph shows" in n)
     assert "speed: values near 1 (log-uniform in [0.67, 1.5]: shapes bounded), as its value sets the size of" in note
+
+
+def test_user_ids_outside_the_table_the_graph_shows_are_refused_before_any_work(tmp_path):
+    """calibration.data whose token ids pass the embedding's rows: bad input (exit 2) naming the input, the ids found,
+    the table and the fix, instead of ONNX Runtime failing on the Gather mid-stage."""
+    from tasks.common.errors import ConfigError
+    from tasks.data.inputs import load_data
+
+    m = tiny_transformer("bool")
+    inputs, _ = graph_io(m)
+    rules = shape_rules(inputs, SEQ_PROFILE, m)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, VOCAB, (3, 16)).astype(np.int64)
+    feed = {"input_ids": ids, "token_type_ids": np.zeros_like(ids), "mask": np.ones((3, 16), bool)}
+    np.savez(tmp_path / "ok.npz", **feed)
+    assert load_data(str(tmp_path / "ok.npz"), inputs, SEQ_PROFILE, "calibration.data", rules=rules)[0]
+    ids[1, 3] = VOCAB + 7
+    np.savez(tmp_path / "bad.npz", **{**feed, "input_ids": ids})
+    with pytest.raises(ConfigError) as e:
+        load_data(str(tmp_path / "bad.npz"), inputs, SEQ_PROFILE, "calibration.data", rules=rules)
+    assert e.value.exit_code == 2
+    assert f"input 'input_ids' holds ids from 0 to {VOCAB + 7}, outside [0, {VOCAB}): it indexes an embedding table" \
+        in e.value.message and f"[0, {VOCAB})" in e.value.fix
