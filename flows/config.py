@@ -152,8 +152,11 @@ def preflight(cfg: DictConfig, config_dir: str | None = None, budget: Any = None
     from tasks.common import budget_from_config
     from tasks.trt import backend_for_target
 
+    from tasks.common.memory import resident_bytes
+
     check_settings(cfg, config_dir)
     budget = budget if budget is not None else budget_from_config(cfg.memory_budget_mib)
+    resident = resident_bytes()  # before the model is read: what the build holds through every stage
     m, t, p, cal = cfg.model, cfg.target, cfg.precision, cfg.calibration
     search = config_dir_search(config_dir)
     backend = backend_for_target(t.name, t.backend, t.compute_capability, t.architecture, t.note)
@@ -170,23 +173,26 @@ def preflight(cfg: DictConfig, config_dir: str | None = None, budget: Any = None
     profiles, rules, traffic = shapes_of(cfg, model, inputs, search)
     data, user = data_of(cfg, inputs, profiles, rules, calibrates)
     check_labels(cfg, user)
-    estimate, warnings = (memory_fit(model, model_path(cfg, search), profiles, inputs, data, traffic, budget)
+    estimate, warnings = (memory_fit(model, model_path(cfg, search), profiles, inputs, data, traffic, budget, resident)
                           if model is not None else (None, []))
     return BuildInputs(backend=backend, inputs=inputs, outputs=outputs, profiles=profiles, rules=rules, search=search,
-                       prequantized=prequant, data=data, traffic=traffic, memory_estimate=estimate, warnings=warnings)
+                       prequantized=prequant, data=data, traffic=traffic, memory_estimate=estimate, warnings=warnings,
+                       resident=resident)
 
 
 def memory_fit(model: Any, path: Path, profiles: list, inputs: list, data: Any, traffic: Any,
-               budget: Any) -> tuple[Any, list[str]]:
+               budget: Any, resident: int) -> tuple[Any, list[str]]:
     """The lower bound of the build's peak (tasks.common.memory.Estimate) checked against ``budget``: refused (exit 2)
-    when over it; (the estimate, [a warning when it is near]). The largest step at the profiles' max shapes counts
-    when validate runs the model at them (generated inputs: each profile's min, opt and max)."""
-    from tasks.common.memory import fit_check, resident_bytes
+    when over it; (the estimate, [a warning when it is near]). ``resident``: what the build's processes held before the
+    model was read (held through every stage: its libraries; the graph preflight reads is counted with the weights).
+    The largest step at the profiles' max shapes counts when validate runs the model at them (generated inputs: each
+    profile's min, opt and max)."""
+    from tasks.common.memory import fit_check
     from tasks.graph.footprint import estimate_of
 
     at_max = data.validation is not None and data.validation.kind != "file" and traffic is None
     static = {i.name: i.shape for i in inputs if all(isinstance(d, int) and d > 0 for d in i.shape)}
-    estimate = estimate_of(path, model, resident_bytes(), profiles if at_max else None, static)
+    estimate = estimate_of(path, model, resident, profiles if at_max else None, static)
     warning = fit_check(estimate, budget, file=str(path))
     return estimate, [warning] if warning else []
 
@@ -208,7 +214,8 @@ def after_export(cfg: DictConfig, inputs: BuildInputs, onnx_path: Path, budget: 
         calibrates = bool(cfg.precision.quantized) and not inputs.prequantized
         data = data_of(cfg, inputs.inputs, inputs.profiles, rules, calibrates)[0]
         inputs = dataclasses.replace(inputs, rules=rules)
-    estimate, warnings = memory_fit(model, Path(onnx_path), inputs.profiles, inputs.inputs, data, inputs.traffic, budget)
+    estimate, warnings = memory_fit(model, Path(onnx_path), inputs.profiles, inputs.inputs, data, inputs.traffic, budget,
+                                    inputs.resident)
     return dataclasses.replace(inputs, data=data, memory_estimate=estimate, warnings=inputs.warnings + warnings)
 
 

@@ -100,7 +100,7 @@ class Estimate:
     """A lower bound of a build's peak resident memory, from what is known before it runs (bytes). ``weights_what``
     names the files, ``step_what`` the largest step (None where shape inference knows no step at the max shapes, or
     no stage runs the model at them)."""
-    resident: int  # this build's processes when it is checked (measured)
+    resident: int  # this build's processes before the model is read (measured): held through every stage
     weights: int  # the model file and its external data
     weights_what: str
     step: int = 0  # the largest step's inputs and outputs at a profile's max shapes
@@ -113,8 +113,8 @@ class Estimate:
 
     def parts(self) -> str:
         return (f"the model's weights ({self.weights_what}: {_mib(self.weights):.0f} MiB) held {WEIGHT_COPIES} times "
-                f"(the graph and ONNX Runtime's copy), {_mib(self.resident):.0f} MiB this build's processes hold "
-                "already" + (f", and {_mib(self.step):.0f} MiB for {self.step_what}" if self.step_what else ""))
+                f"(the graph and ONNX Runtime's copy), {_mib(self.resident):.0f} MiB this build's processes held "
+                "before reading the model" + (f", and {_mib(self.step):.0f} MiB for {self.step_what}" if self.step_what else ""))
 
     def as_dict(self) -> dict:
         """For summary.json ``memory``: estimated (a lower bound), never a measurement."""

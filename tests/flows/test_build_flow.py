@@ -112,7 +112,7 @@ def test_a_budget_below_what_the_build_holds_already_is_refused_before_any_stage
     assert e.value.exit_code == 2
     text = e.value.render()
     assert "this build needs at least" in text and "memory budget of 256 MiB (memory_budget_mib)" in text, text
-    assert "this build's processes hold already" in text and "fix:" in text and "memory_budget_mib=" in e.value.fix
+    assert "this build's processes held before reading the model" in text and "fix:" in text and "memory_budget_mib=" in e.value.fix
     assert not (tmp_path / "summary.json").exists() and not (tmp_path / "out").exists()
     assert runs() == before  # no run
 
