@@ -150,9 +150,8 @@ def preflight(cfg: DictConfig, config_dir: str | None = None, budget: Any = None
     ``budget`` (tasks.common.memory.Budget; default: the build's, from memory_budget_mib) is refused here."""
     from flows.context import BuildInputs  # (imported here: the up-to-date check before preflight stays light)
     from tasks.common import budget_from_config
-    from tasks.trt import backend_for_target
-
     from tasks.common.memory import resident_bytes
+    from tasks.trt import backend_for_target
 
     check_settings(cfg, config_dir)
     budget = budget if budget is not None else budget_from_config(cfg.memory_budget_mib)
@@ -181,18 +180,18 @@ def preflight(cfg: DictConfig, config_dir: str | None = None, budget: Any = None
 
 
 def memory_fit(model: Any, path: Path, profiles: list, inputs: list, data: Any, traffic: Any,
-               budget: Any, resident: int) -> tuple[Any, list[str]]:
+               budget: Any, resident: int, key: str = "model.source") -> tuple[Any, list[str]]:
     """The lower bound of the build's peak (tasks.common.memory.Estimate) checked against ``budget``: refused (exit 2)
     when over it; (the estimate, [a warning when it is near]). ``resident``: what the build's processes held before the
     model was read (held through every stage: its libraries; the graph preflight reads is counted with the weights).
     The largest step at the profiles' max shapes counts when validate runs the model at them (generated inputs: each
-    profile's min, opt and max)."""
+    profile's min, opt and max). ``key``: the config key naming the model."""
     from tasks.common.memory import fit_check
     from tasks.graph.footprint import estimate_of
 
     at_max = data.validation is not None and data.validation.kind != "file" and traffic is None
     static = {i.name: i.shape for i in inputs if all(isinstance(d, int) and d > 0 for d in i.shape)}
-    estimate = estimate_of(path, model, resident, profiles if at_max else None, static)
+    estimate = estimate_of(path, model, resident, profiles if at_max else None, static, key)
     warning = fit_check(estimate, budget, file=str(path))
     return estimate, [warning] if warning else []
 
@@ -215,7 +214,7 @@ def after_export(cfg: DictConfig, inputs: BuildInputs, onnx_path: Path, budget: 
         data = data_of(cfg, inputs.inputs, inputs.profiles, rules, calibrates)[0]
         inputs = dataclasses.replace(inputs, rules=rules)
     estimate, warnings = memory_fit(model, Path(onnx_path), inputs.profiles, inputs.inputs, data, inputs.traffic, budget,
-                                    inputs.resident)
+                                    inputs.resident, "model.factory")
     return dataclasses.replace(inputs, data=data, memory_estimate=estimate, warnings=inputs.warnings + warnings)
 
 

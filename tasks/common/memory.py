@@ -11,8 +11,8 @@ budget (a failed build, exit 1). A stage stuck in native code that cannot be sto
 GRACE_SECONDS later, or past HARD_SHARE of it) ends the process with that message before it exhausts the host; so
 does a build over its budget between stages when the host has less than HOST_FLOOR_SHARE of its memory left.
 
-Before any heavy stage, ``fit_check`` compares a lower bound of the build's peak (``Estimate``: what its processes hold
-already, the model's weights held twice, the largest step at the profiles' max shapes; tasks/graph/footprint.py) with
+Before any heavy stage, ``fit_check`` compares a lower bound of the build's peak (``Estimate``: what its processes held
+before the model was read, the model's weights held twice, the largest step at the profiles' max shapes; tasks/graph/footprint.py) with
 the budget: a build that surely cannot fit is refused as bad input (exit 2, no MLflow run), one near it is warned about.
 While a stage runs, ``activity`` names what it is doing (e.g. the validation feed, its inputs), and a stop says so.
 """
@@ -106,6 +106,7 @@ class Estimate:
     step: int = 0  # the largest step's inputs and outputs at a profile's max shapes
     step_what: str | None = None
     step_key: str | None = None  # the config key that sets that shape (model.profiles[k])
+    weights_key: str = "model.source"  # the config key that names the model (model.factory for a torch model)
 
     @property
     def total(self) -> int:
@@ -114,7 +115,8 @@ class Estimate:
     def parts(self) -> str:
         return (f"the model's weights ({self.weights_what}: {_mib(self.weights):.0f} MiB) held {WEIGHT_COPIES} times "
                 f"(the graph and ONNX Runtime's copy), {_mib(self.resident):.0f} MiB this build's processes held "
-                "before reading the model" + (f", and {_mib(self.step):.0f} MiB for {self.step_what}" if self.step_what else ""))
+                "before reading the model" + (f", and {_mib(self.step):.0f} MiB for {self.step_what}"
+                                              if self.step_what else ""))
 
     def as_dict(self) -> dict:
         """For summary.json ``memory``: estimated (a lower bound), never a measurement."""
@@ -133,7 +135,7 @@ def fit_check(estimate: Estimate, budget: Budget | None, file: str | None = None
         more = f"memory_budget_mib={int(_mib(need) * 1.25) + 1}" if total is None or _mib(need) * 1.25 < total else None
         fixes = ([f"give it more with {more}"] if more else []) + ["build on a host with more memory"] + (
             [f"lower the max shapes of {estimate.step_key}"] if estimate.step_key and estimate.step else [])
-        key = "model.source" if WEIGHT_COPIES * estimate.weights >= estimate.step else estimate.step_key
+        key = estimate.weights_key if WEIGHT_COPIES * estimate.weights >= estimate.step else estimate.step_key
         raise ConfigError(
             f"{key}: this build needs at least {_mib(need):.0f} MiB, more than its memory budget of {budget.mib} "
             f"MiB ({budget.source}): {estimate.parts()}",

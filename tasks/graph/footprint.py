@@ -117,18 +117,18 @@ def _light(model: onnx.ModelProto, shapes: dict[str, list[int]]) -> onnx.ModelPr
 
 
 def estimate_of(path: Path, model: onnx.ModelProto | None, resident: int, profiles: list[dict] | None = None,
-                inputs_at: dict[str, list[int]] | None = None):
+                inputs_at: dict[str, list[int]] | None = None, key: str = "model.source"):
     """The lower bound of a build's peak (tasks.common.memory.Estimate) for the model at ``path`` (``model``: loaded,
     with or without its external data; None: the file alone, not read yet), its processes holding ``resident`` bytes
     now. ``profiles``: the checked profiles when a stage runs the model at their max shapes (validate on generated
-    inputs), else None (no step counted: nothing runs the model at them)."""
+    inputs), else None (no step counted: nothing runs the model at them). ``key``: the config key naming the model."""
     from tasks.common.memory import Estimate
 
     weights, side = weights_bytes(path, model)
     what = f"{Path(path).name}" + (f" and {len(side)} external data file{'s' * (len(side) > 1)}" if side else "")
     step = largest_step(model, profiles, inputs_at) if profiles is not None and model is not None else None
     if step is None:
-        return Estimate(resident, weights, what)
+        return Estimate(resident, weights, what, weights_key=key)
     prof = profiles[step.profile] if profiles else {}
     at = ", ".join(f"{n} {list(r['max'])}" for n, r in prof.items())
     where = f"model.profiles[{step.profile}]" if prof else None
@@ -136,4 +136,4 @@ def estimate_of(path: Path, model: onnx.ModelProto | None, resident: int, profil
     return Estimate(resident, weights, what, step.bytes,
                     f"the largest step at the max shapes ({at or 'the static shapes'}): node {step.node!r}, its inputs "
                     f"and outputs (the largest {dtype_shape}) alive at once as ONNX Runtime runs it in validate",
-                    where)
+                    where, key)
