@@ -167,7 +167,7 @@ def check_feed(feed: Feed, inputs: list[TensorInfo], profiles: list[dict], what:
             raise ConfigError(f"{what}: input {t.name!r} has NaN or Inf values", fix="clean the data")
         d = rules.domains.get(t.name) if rules else None
         if d is not None and d.kind == "ids" and d.high is not None and np.issubdtype(a.dtype, np.integer) and \
-                (a.min() < 0 or a.max() >= d.high):  # ONNX Runtime fails on it mid-stage, TensorRT reads past the table
+                (a.min() < -d.high or a.max() >= d.high):  # ONNX Runtime fails on it mid-stage (Gather: [-rows, rows))
             raise ConfigError(f"{what}: input {t.name!r} holds ids from {a.min()} to {a.max()}, outside [0, {d.high}): "
                               f"{d.why}", fix=f"give ids in [0, {d.high}) (the ids the model's tokenizer makes)")
     for t in (rules.ties if rules else []):
