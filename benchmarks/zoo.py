@@ -25,8 +25,9 @@ package feeds it, and such a model's fp32/fp16 builds get that data as `validati
 The table: model, precision, status, cosine_min (the precision-transformed graph vs fp32 in ONNX Runtime, as validate
 measures it on this host; "n/m" where the graph is the reference itself, fp32 on a host without the GPU: not measured), TensorRT engines, native (ONNX Runtime) nodes, build seconds, engine MB, the model's own
 size (its ONNX and external data, MB), the build's peak resident memory (summary.json metrics.peak_rss_mib, MiB: the
-build process and its children; in a sweep the process also holds what earlier builds left), and the reason of
-any failure (first line of the error).  `--json PATH` writes the rows.  Known failures and their owners:
+build process and its children; in a sweep the process also holds what earlier builds left), the lower bound of
+it the build was checked against its budget with before any stage (summary.json memory.estimate_mib: estimated, not
+measured), and the reason of any failure (first line of the error).  `--json PATH` writes the rows.  Known failures and their owners:
 benchmarks/zoo/KNOWN.md.
 """
 from __future__ import annotations
@@ -488,6 +489,8 @@ def build_models(names: list[str], precisions: list[str], target: str, tmp: Path
             m = summary.get("metrics", {})
             row["status"] = summary["status"]
             row.update({k: m.get(k) for k in ("cosine_min", "trt_subgraphs", "fallback_nodes", "peak_rss_mib")})
+            if (summary.get("memory") or {}).get("estimate_mib") is not None:  # preflight's lower bound: estimated
+                row["estimate_mib"] = summary["memory"]["estimate_mib"]
             row.update({k: m[k] for k in SEARCH_KEYS if k in m})  # int8/fp8: the search's figure beside validation's
             if (summary["stages"].get("calibrate") or {}).get("seconds") is not None:
                 row["calibrate_seconds"] = summary["stages"]["calibrate"]["seconds"]
@@ -545,7 +548,7 @@ def fmt(v, spec: str) -> str:
 
 def table(rows: list[dict]) -> str:
     head = ("model", "precision", "status", "cosine_min", "engines", "native nodes", "build s", "engine MB", "model MB",
-            "peak MiB", "reason")
+            "peak MiB", "bound MiB", "reason")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cos = r.get("cosine_min")
@@ -554,7 +557,7 @@ def table(rows: list[dict]) -> str:
                  fmt(r.get("fallback_nodes"), "d"), fmt(r.get("build_seconds"), ".1f"),
                  "" if r.get("engine_bytes") is None else f"{r['engine_bytes'] / 1e6:.1f}",
                  "" if r.get("model_bytes") is None else f"{r['model_bytes'] / 1e6:.1f}", fmt(r.get("peak_rss_mib"), ".0f"),
-                 (r.get("reason") or r.get("note") or "").replace("|", "/")[:160])
+                 fmt(r.get("estimate_mib"), "d"), (r.get("reason") or r.get("note") or "").replace("|", "/")[:160])
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 

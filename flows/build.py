@@ -148,6 +148,8 @@ def publish(ctx: BuildContext) -> dict:
         m["peak_rss_mib"] = ctx.memory.peak_mib
         if ctx.memory.budget is not None:
             summary["memory"] = ctx.memory.budget.as_dict()
+        if ctx.inputs.memory_estimate is not None:  # the lower bound preflight checked: estimated, not measured
+            summary.setdefault("memory", {}).update(ctx.inputs.memory_estimate.as_dict())
     summary["metrics"] = {k: v for k, v in sorted(m.items())}
     if ctx.error is not None:
         summary["error"] = ctx.error.render()
@@ -266,7 +268,7 @@ def run_build(cfg: DictConfig, config_dir: str | None = None, show_progress: boo
                 # the build's resident memory from here on: per stage, overall, and the budget it stays within
                 memory = MemoryWatch(budget_from_config(cfg.memory_budget_mib)).start()
                 try:
-                    ctx = BuildContext(cfg=cfg, inputs=preflight(cfg, config_dir), identity=identity,
+                    ctx = BuildContext(cfg=cfg, inputs=preflight(cfg, config_dir, memory.budget), identity=identity,
                                        cache=stage_cache(cfg.cache_dir), show_progress=show_progress, on_stage=on_stage,
                                        memory=memory)
                 except BaseException:

@@ -144,17 +144,22 @@ def check_choice(cfg: DictConfig, key: str, verdict: str = "is unknown") -> None
         raise ConfigError(f"{key}={value!r} {verdict}", fix=f"use {_in_words(schema.choices_of(key))}")
 
 
-def preflight(cfg: DictConfig, config_dir: str | None = None) -> BuildInputs:
+def preflight(cfg: DictConfig, config_dir: str | None = None, budget: Any = None) -> BuildInputs:
     """Check the whole config before any heavy step, and split the data: what the stages need (model io, profiles,
-    shape rules, backend, the calibration / search / validation sets)."""
+    shape rules, backend, the calibration / search / validation sets). A model that cannot be built within the memory
+    ``budget`` (tasks.common.memory.Budget; default: the build's, from memory_budget_mib) is refused here."""
     from flows.context import BuildInputs  # (imported here: the up-to-date check before preflight stays light)
+    from tasks.common import budget_from_config
+    from tasks.common.memory import resident_bytes
     from tasks.trt import backend_for_target
 
     check_settings(cfg, config_dir)
+    budget = budget if budget is not None else budget_from_config(cfg.memory_budget_mib)
+    resident = resident_bytes()  # before the model is read: what the build holds through every stage
     m, t, p, cal = cfg.model, cfg.target, cfg.precision, cfg.calibration
     search = config_dir_search(config_dir)
     backend = backend_for_target(t.name, t.backend, t.compute_capability, t.architecture, t.note)
-    model, inputs, outputs, prequant = model_io(cfg, search)
+    model, inputs, outputs, prequant = model_io(cfg, search, budget)
     inputs = bind_constants(cfg, inputs)
     check_outputs(cfg, outputs)
     calibrates = bool(p.quantized) and not prequant
@@ -167,8 +172,61 @@ def preflight(cfg: DictConfig, config_dir: str | None = None) -> BuildInputs:
     profiles, rules, traffic = shapes_of(cfg, model, inputs, search)
     data, user = data_of(cfg, inputs, profiles, rules, calibrates)
     check_labels(cfg, user)
+    estimate, warnings = (memory_fit(model, model_path(cfg, search), profiles, inputs, data, traffic, budget, resident)
+                          if model is not None else (None, []))
     return BuildInputs(backend=backend, inputs=inputs, outputs=outputs, profiles=profiles, rules=rules, search=search,
-                       prequantized=prequant, data=data, traffic=traffic)
+                       prequantized=prequant, data=data, traffic=traffic, memory_estimate=estimate, warnings=warnings,
+                       resident=resident)
+
+
+def memory_fit(model: Any, path: Path, profiles: list, inputs: list, data: Any, traffic: Any,
+               budget: Any, resident: int, key: str = "model.source") -> tuple[Any, list[str]]:
+    """The lower bound of the build's peak (tasks.common.memory.Estimate) checked against ``budget``: refused (exit 2)
+    when over it; (the estimate, [a warning when it is near]). ``resident``: what the build's processes held before the
+    model was read (held through every stage: its libraries; the graph preflight reads is counted with the weights).
+    The largest step at the profiles' max shapes counts when validate runs the model at them (generated inputs: each
+    profile's min, opt and max). ``key``: the config key naming the model."""
+    from tasks.common.memory import fit_check
+    from tasks.graph.footprint import estimate_of
+
+    at_max = data.validation is not None and data.validation.kind != "file" and traffic is None
+    static = {i.name: i.shape for i in inputs if all(isinstance(d, int) and d > 0 for d in i.shape)}
+    estimate = estimate_of(path, model, resident, profiles if at_max else None, static, key)
+    warning = fit_check(estimate, budget, file=str(path))
+    return estimate, [warning] if warning else []
+
+
+def after_export(cfg: DictConfig, inputs: BuildInputs, onnx_path: Path, budget: Any) -> BuildInputs:
+    """A torch model's graph, which exists only after export: the memory check preflight does for an ONNX model
+    (refused as bad input, exit 2, before any heavy stage) and what the graph shows its inputs mean, with the data
+    split again so its random sets are drawn in those domains and say so. Returns the updated inputs."""
+    import dataclasses
+
+    from tasks.graph import load_onnx
+    from tasks.graph.meaning import input_domains
+
+    model = load_onnx(onnx_path, key="the exported model")
+    domains = input_domains(model, [i.name for i in inputs.inputs])
+    data = inputs.data
+    if domains:
+        rules = dataclasses.replace(inputs.rules, domains=domains)
+        calibrates = bool(cfg.precision.quantized) and not inputs.prequantized
+        data = data_of(cfg, inputs.inputs, inputs.profiles, rules, calibrates)[0]
+        inputs = dataclasses.replace(inputs, rules=rules)
+    estimate, warnings = memory_fit(model, Path(onnx_path), inputs.profiles, inputs.inputs, data, inputs.traffic, budget,
+                                    inputs.resident, "model.factory")
+    return dataclasses.replace(inputs, data=data, memory_estimate=estimate, warnings=inputs.warnings + warnings)
+
+
+def model_path(cfg: DictConfig, search: list[Path]) -> Path:
+    """The ONNX file preflight reads (a Paddle model's conversion)."""
+    from tasks.graph import resolve_source
+
+    src = resolve_source(cfg.model.source, search=search)
+    if cfg.model.format == "paddle":
+        from tasks.sources import converted_onnx
+        src = converted_onnx(src, paddle_cache(cfg))[0]
+    return Path(src)
 
 
 def check_settings(cfg: DictConfig, config_dir: str | None) -> None:
@@ -332,19 +390,26 @@ def paddle_cache(cfg) -> Path:
     return Path(cfg.cache_dir) / "paddle"
 
 
-def model_io(cfg: DictConfig, search: list[Path]) -> tuple[Any, list, list, dict | None]:
+def model_io(cfg: DictConfig, search: list[Path], budget: Any = None) -> tuple[Any, list, list, dict | None]:
     """The model as preflight sees it: its ONNX graph (onnx, paddle; None for torch, exported later), inputs, outputs,
-    and the quantization it arrived with."""
+    and the quantization it arrived with. Given a memory ``budget``, weights that cannot fit in it are refused before
+    they are loaded."""
     from tasks.graph import load_onnx
-    from tasks.graph import graph_io, resolve_source
+    from tasks.graph import graph_io
 
     m = cfg.model
     if m.format in ("onnx", "paddle"):
-        src = resolve_source(m.source, search=search)
-        if m.format == "paddle":  # converted once here (content-addressed); export reuses the conversion
-            from tasks.sources import converted_onnx
-            src = converted_onnx(src, paddle_cache(cfg))[0]
-        model = load_onnx(src)
+        src = model_path(cfg, search)  # a Paddle model converted once here (content-addressed); export reuses it
+        from tasks.common.memory import fit_check, resident_bytes
+        from tasks.graph.footprint import estimate_of
+        from tasks.graph.load import external_data_files
+        if budget is not None:  # the file alone, before it is read
+            fit_check(estimate_of(src, None, resident_bytes()), budget, file=str(src))
+        model = load_onnx(src, load_external_data=False)
+        if external_data_files(model, Path(src).parent):
+            if budget is not None:  # with its external data, before that is read
+                fit_check(estimate_of(src, model, resident_bytes()), budget, file=str(src))
+            model = load_onnx(src)
         inputs, outputs = graph_io(model)
         from tasks.prequant import quantization_of
         from tasks.prequant import weight_only_model

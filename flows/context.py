@@ -49,6 +49,9 @@ class BuildInputs:
     prequantized: dict | None  # the quantization the model arrived with (Q/DQ, dynamic, QLinear), else None
     data: DataSplit  # calibration / search / validation sets
     traffic: Any = None  # (tasks.data.traffic.Traffic, Proposal) when model.traffic is set
+    memory_estimate: Any = None  # tasks.common.memory.Estimate: the lower bound checked against the budget
+    warnings: list[str] = field(default_factory=list)  # what preflight found worth saying (said by the export stage)
+    resident: int = 0  # bytes the build's processes held when preflight began (part of the memory bound)
 
 
 @dataclass

@@ -58,6 +58,10 @@ def export(ctx: BuildContext) -> StageResult:
         return r
 
     r = ctx.cached("export", parts, work)
+    if m["format"] == "torch":  # the graph exists only now: the memory check and the inputs' domains preflight could not do
+        from flows.config import after_export
+        ctx.inputs = after_export(ctx.cfg, ctx.inputs, r.files["onnx"], ctx.memory.budget if ctx.memory else None)
+    warn_all(ctx, "export", ctx.inputs.warnings)  # preflight's (a build near its memory budget)
     if r.details.get("weight_only"):
         from tasks.prequant import weight_only_note
         ctx.stages.setdefault("export", {})["note"] = weight_only_note(r.details["weight_only"])

@@ -99,3 +99,12 @@ def transnetv2():
             return one_hot, extra["many_hot"]
 
     return Boundaries().eval()
+
+
+def diacritizer_bilstm():
+    """arabic-diacritizer's Arabic diacritizer: character ids -> Embedding(128) -> 3-layer BiLSTM (256 x 2) -> additive
+    (Bahdanau) attention over every pair of positions ([batch, T, T, 512] before its score) -> 15 diacritic classes per
+    character; float weights from the package's bilstm_best.pt, loaded as the package loads them."""
+    from diacritize.baseline.model import BiLSTMDiacritizer
+
+    return BiLSTMDiacritizer.from_pretrained()

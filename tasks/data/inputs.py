@@ -165,6 +165,11 @@ def check_feed(feed: Feed, inputs: list[TensorInfo], profiles: list[dict], what:
             raise ConfigError(f"{what}: input {t.name!r} is empty {list(a.shape)}", fix="give non-empty arrays")
         if np.issubdtype(a.dtype, np.floating) and not np.isfinite(a).all():
             raise ConfigError(f"{what}: input {t.name!r} has NaN or Inf values", fix="clean the data")
+        d = rules.domains.get(t.name) if rules else None
+        if d is not None and d.kind == "ids" and d.high is not None and np.issubdtype(a.dtype, np.integer) and \
+                (a.min() < -d.high or a.max() >= d.high):  # ONNX Runtime fails on it mid-stage (Gather: [-rows, rows))
+            raise ConfigError(f"{what}: input {t.name!r} holds ids from {a.min()} to {a.max()}, outside [0, {d.high}): "
+                              f"{d.why}", fix=f"give ids in [0, {d.high}) (the ids the model's tokenizer makes)")
     for t in (rules.ties if rules else []):
         (na, ia), (nb, ib) = t.a, t.b
         da, db = feed[na].shape[ia], feed[nb].shape[ib]
@@ -203,6 +208,11 @@ def _in_domain(d: Any, dt: Any, shape: list[int], rng: np.random.Generator, shap
         if d.segments and ids.size >= high:  # segment ids (a node's graph): sorted, every segment present
             ids = np.sort(np.concatenate([np.arange(high), ids.ravel()[high:]])).reshape(shape)
         return ids.astype(dt)
+    if d.kind == "size":  # a value that sets a size: near 1, so the shapes it sets stay near the model's own
+        from tasks.graph.meaning import SIZE_SPAN
+        span = np.log(SIZE_SPAN)
+        return np.exp(rng.uniform(-span, span, shape)).astype(dt) if np.issubdtype(dt, np.floating) \
+            else rng.integers(1, 3, shape).astype(dt)
     if d.kind == "positive":
         return np.exp(rng.standard_normal(shape)).astype(dt) if np.issubdtype(dt, np.floating) \
             else rng.integers(1, 10, shape).astype(dt)

@@ -8,6 +8,7 @@ from typing import Callable
 import numpy as np
 
 from tasks.common.errors import AccuracyError, StageError
+from tasks.common.memory import activity
 from tasks.data.inputs import batch_size
 from tasks.accuracy.metrics import compare, headline, summarize
 from tasks.accuracy.nonfinite import DATA_HOW, finite_part_notes, nonfinite_reference, reference_warnings
@@ -16,6 +17,15 @@ from tasks.onnxrt.ort import ort_run, ort_session
 from tasks.common.util import StageResult, write_json
 
 NEAR_ZERO = 1e-4  # reference outputs smaller than this everywhere make a cosine meaningless
+SHOWN_VALUES = 4  # an input of at most this many elements is named with its values in a memory stop
+
+
+def feed_text(feed: dict[str, np.ndarray]) -> str:
+    """A feed in words: each input's shape, and the values of small ones (a scalar that sets a size)."""
+    def shown(a: np.ndarray) -> list:
+        return [round(float(v), 4) if isinstance(v, float) else v for v in np.asarray(a).ravel().tolist()]
+    return ", ".join(f"{n}={shown(a)}" if np.asarray(a).size <= SHOWN_VALUES else f"{n} {list(np.shape(a))}"
+                     for n, a in feed.items())
 
 
 def reference_outputs(ref_sess, feeds: list[dict[str, np.ndarray]]) -> tuple[list[dict], list[int], list[str]]:
@@ -26,7 +36,8 @@ def reference_outputs(ref_sess, feeds: list[dict[str, np.ndarray]]) -> tuple[lis
     refs, kept, failed, why = [], [], [], ""
     for i, f in enumerate(feeds):
         try:
-            refs.append(ort_run(ref_sess, f))
+            with activity(f"running the fp32 reference on validation feed {i + 1} of {len(feeds)} ({feed_text(f)})"):
+                refs.append(ort_run(ref_sess, f))
             kept.append(i)
         except StageError as e:
             failed.append({n: list(a.shape) for n, a in f.items()})
@@ -155,7 +166,10 @@ def _emulation_measured(candidate: Path | Callable, feeds: list[dict[str, np.nda
     """The candidate (an ONNX file run in ONNX Runtime, or a callable) on every feed against the references: the
     report's ``emulation`` entry (its outputs' statistics, overall and per feed) and the candidate's outputs."""
     run_candidate = candidate if callable(candidate) else (lambda f, s=ort_session(candidate): ort_run(s, f))
-    emu_outs = [run_candidate(f) for f in feeds]
+    emu_outs = []
+    for i, f in enumerate(feeds):  # one feed at a time; a stop at the memory budget names the feed and its inputs
+        with activity(f"running the candidate on validation feed {i + 1} of {len(feeds)} ({feed_text(f)})"):
+            emu_outs.append(run_candidate(f))
     per_feed = [compare(r, o) for r, o in zip(refs, emu_outs)]
     emu = summarize(per_feed)
     return {"source": emulation, "status": "ok", "cosine_min": headline(emu)["cosine_min"], "outputs": emu,

@@ -11,6 +11,11 @@ Generic graph rules (no model names), followed from the input through ops that o
   ``sequence_lens`` counts valid positions.
 * **positive**: a float input taken by Log, Sqrt, Reciprocal, a fractional Pow or as a divisor (a diffusion model's
   noise level sigma) must be positive.
+* **size**: a float input whose value, through arithmetic (Div, Mul, Round, Clip, CumSum, ...), sets a size: a
+  Range's bounds, a ConstantOfShape/Expand/Tile/Pad/OneHot size, a Resize's scales or sizes, a Loop's trip count (a TTS
+  model's speed divides the durations that set the audio's length). Drawn near 1 (log-uniform in [1/SIZE_SPAN,
+  SIZE_SPAN]), so the shapes stay within SIZE_SPAN of the model's own: a random value near 0 would make the output
+  (and the memory a build needs to run it) without bound.
 
 Random values elsewhere (standard normal floats, 0/1 integers) are left as they are."""
 from __future__ import annotations
@@ -26,6 +31,18 @@ from onnx import numpy_helper
 CARRY = ("Cast", "CastLike", "Identity", "Unsqueeze", "Squeeze", "Reshape", "Flatten", "Expand", "Transpose",
          "Slice", "Tile", "Gather")
 DEPTH = 8  # ops followed from an input
+SIZE_DEPTH = 16  # ops followed from a float input to a size it sets
+SIZE_SPAN = 1.5  # a size-setting input is drawn in [1/SIZE_SPAN, SIZE_SPAN]
+# ops whose output values follow their input's (arithmetic, reductions, moves), by the inputs that carry the value
+VALUE_OPS = {**{op: None for op in ("Cast", "CastLike", "Identity", "Unsqueeze", "Squeeze", "Flatten", "Transpose",
+                                    "Concat", "Add", "Sub", "Mul", "Div", "Round", "Ceil", "Floor", "Max", "Min", "Relu",
+                                    "Neg", "Abs", "Exp", "Reciprocal", "Sqrt", "Pow", "Sum", "Mean")},
+             **{op: (0,) for op in ("Reshape", "Slice", "Gather", "Clip", "CumSum", "Expand", "Tile", "ReduceSum",
+                                    "ReduceMax", "ReduceMin", "ReduceMean", "ReduceProd")},
+             "Where": (1, 2)}
+# the inputs of an op that set the size of its output
+SIZE_INPUTS = {"Range": (0, 1, 2), "ConstantOfShape": (0,), "Expand": (1,), "Tile": (1,), "Resize": (2, 3),
+               "Upsample": (1,), "Loop": (0,), "Pad": (1,), "OneHot": (1,)}
 FILL_MAX = -1e3  # a constant at or below this that an input selects or scales is a masked fill (-1e4, -1e9, -inf)
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16}
 INTEGER_TYPES = {onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.INT16, onnx.TensorProto.INT8,
@@ -37,7 +54,7 @@ class Domain:
     """Where an input's random values come from. ``kind``: ids | mask | length | positive; ``why``: what in the graph
     shows it (for the data notes)."""
 
-    kind: str
+    kind: str  # ids | mask | length | positive | size
     why: str
     high: int | None = None  # ids: the rows of the smallest table (exclusive bound); else ``of`` bounds them
     valid: int = 1  # mask: the value that keeps a position (1/True, or 0/False where True pads)
@@ -53,6 +70,8 @@ class Domain:
                 f" of {self.of[0]!r} axis {self.of[1]})" if self.of else ")")
         elif self.kind == "positive":
             what = "positive values (log-normal)"
+        elif self.kind == "size":
+            what = f"values near 1 (log-uniform in [{1 / SIZE_SPAN:.2f}, {SIZE_SPAN:g}]: shapes bounded)"
         else:
             what = f"masks valid ({bool(self.valid)}) from the start, padded at the end, never all padded"
         return f"{name}: {what}, as {self.why}"
@@ -182,8 +201,31 @@ class _Graph:
             name = p.input[0]
         return None
 
+    def size_set(self, name: str) -> str | None:
+        """How float input ``name``'s value sets a size (the ops from it to the size input of a Range, ConstantOfShape,
+        ...; SIZE_INPUTS), else None."""
+        todo, seen = [(name, ())], {name}
+        while todo:
+            v, path = todo.pop(0)
+            for n, k in self.readers.get(v, []):
+                op = n.op_type
+                if k in SIZE_INPUTS.get(op, ()):
+                    steps = " -> ".join((*path, op))
+                    return f"its value sets the size of {op} {n.name or ''}".rstrip() + f" ({steps})"
+                carried = op in VALUE_OPS and (VALUE_OPS[op] is None or k in VALUE_OPS[op])
+                if carried and len(path) < SIZE_DEPTH:
+                    for o in n.output[:1]:
+                        if o and o not in seen:
+                            seen.add(o)
+                            todo.append((o, (*path, op)))
+        return None
+
     def domain(self, name: str, integer: bool, floating: bool = False) -> Domain | None:
         found: dict[str, Domain] = {}
+        if floating:
+            sets = self.size_set(name)
+            if sets is not None:
+                found["size"] = Domain("size", sets)
         rows: list[int] = []
         seen = set()
         todo = [(name, 0, 0)]  # (value, depth, inversions)
@@ -253,7 +295,7 @@ class _Graph:
         if rows and integer:
             return Domain("ids", f"it indexes an embedding table of {min(rows)} rows" if len(set(rows)) == 1 else
                           f"it indexes embedding tables of {sorted(set(rows))} rows", high=min(rows))
-        for kind in ("ids", "length", "mask", "positive"):
+        for kind in ("ids", "length", "mask", "size", "positive"):
             if kind in found and (kind != "positive" or not integer):
                 return found[kind]
         return None

@@ -95,20 +95,26 @@ def test_the_summary_has_the_peak_resident_memory_of_the_build_and_of_each_stage
     assert 0 < s["memory"]["budget_mib"] < host_total_mib() and "available" in s["memory"]["budget_source"]
 
 
-def test_a_stage_past_the_memory_budget_fails_the_build_naming_the_stage_and_the_budget(prefect_harness,
-                                                                                         user_config_dir, tmp_path):
-    """The budget is below what a build's processes take to start with: the first stage is stopped, the build fails
-    (exit 1 from the CLI) with a summary and a failed MLflow run saying which stage and which budget."""
-    s = build(["model=tiny", "precision=fp32", "memory_budget_mib=256"], user_config_dir, tmp_path)
-    assert s["status"] == "failed"
-    e = s["stages"]["export"]
-    assert e["status"] == "failed" and "the export stage did not start" in e["reason"], e
-    assert "memory budget of 256 MiB (memory_budget_mib)" in e["reason"], e
-    assert "fix: give the build more memory with memory_budget_mib=N" in e["reason"], e
-    assert e["peak_rss_mib"] > 256
-    assert s["stages"]["partition"]["status"] == "skipped" and "peak_rss_mib" not in s["stages"]["partition"]
-    assert s["memory"] == {"budget_mib": 256, "budget_source": "memory_budget_mib"}
-    assert mlflow_run(s["mlflow"]["run_id"]).data.tags["status"] == "failed"
+def test_a_budget_below_what_the_build_holds_already_is_refused_before_any_stage(prefect_harness, user_config_dir,
+                                                                                 tmp_path):
+    """The budget is below what a build's processes take to start with: no stage can run within it, so the build is
+    refused as bad input (exit 2) before any stage, naming the budget, the bound and the fix; no MLflow run. (A stage
+    that passes the budget while it runs is stopped: tests/tasks/common/test_memory.py.)"""
+    from tasks.common import ConfigError
+
+    def runs() -> int:
+        c = mlflow_client()
+        return len(c.search_runs([x.experiment_id for x in c.search_experiments()]))
+
+    before = runs()
+    with pytest.raises(ConfigError) as e:
+        build(["model=tiny", "precision=fp32", "memory_budget_mib=256"], user_config_dir, tmp_path)
+    assert e.value.exit_code == 2
+    text = e.value.render()
+    assert "this build needs at least" in text and "memory budget of 256 MiB (memory_budget_mib)" in text, text
+    assert "this build's processes held before reading the model" in text and "fix:" in text and "memory_budget_mib=" in e.value.fix
+    assert not (tmp_path / "summary.json").exists() and not (tmp_path / "out").exists()
+    assert runs() == before  # no run
 
 
 def test_the_run_is_in_mlflow_with_tags_engine_summary_and_config(tiny_build):

@@ -86,3 +86,54 @@ def test_the_default_budget_is_a_share_of_what_the_host_has_available():
     avail = host_available_mib()
     assert b is not None and 0.5 * avail < b.mib < avail and "available" in b.source
     assert budget_from_config(3000) == Budget(3000, "memory_budget_mib")
+
+
+def test_a_stop_names_what_the_stage_was_doing():
+    in_a_fresh_process("stop_names_the_activity")
+
+
+def stop_names_the_activity():
+    """validate runs one feed at a time under ``activity``: a stop at the budget names the feed and its inputs."""
+    import numpy as np
+
+    from tasks.common.memory import activity
+    from tasks.evaluate.validate import feed_text
+
+    w = MemoryWatch(Budget(int(_rss() / MIB) + 200, "memory_budget_mib")).start()
+    held = []
+    feed = {"tokens": np.zeros((1, 64), np.int64), "speed": np.array([0.0123456], np.float32)}
+    try:
+        with pytest.raises(MemoryBudgetError) as e:
+            with w.stage("validate"):
+                with activity(f"running the candidate on validation feed 3 of 9 ({feed_text(feed)})"):
+                    for _ in range(100):
+                        held.append(np.ones(20 * MIB // 8))
+                        time.sleep(0.02)
+    finally:
+        w.close()
+    assert "passed the build's memory budget" in e.value.message
+    assert e.value.message.endswith("while running the candidate on validation feed 3 of 9 (tokens [1, 64], "
+                                    "speed=[0.0123])"), e.value.message
+
+
+def test_a_lower_bound_over_the_budget_is_refused_near_it_warned_and_far_below_it_silent():
+    from tasks.common import ConfigError
+    from tasks.common.memory import WARN_SHARE, Estimate, fit_check
+
+    e = Estimate(resident=300 * MIB, weights=1000 * MIB, weights_what="m.onnx", step=500 * MIB,
+                 step_what="the largest step", step_key="model.profiles[0]")  # 2800 MiB
+    with pytest.raises(ConfigError) as refused:
+        fit_check(e, Budget(2700, "memory_budget_mib"), file="/models/m.onnx")
+    err = refused.value
+    assert err.exit_code == 2 and err.file == "/models/m.onnx"
+    assert err.message.startswith("model.source: this build needs at least 2800 MiB, more than its memory budget of "
+                                  "2700 MiB (memory_budget_mib): the model's weights (m.onnx: 1000 MiB) held 2 times")
+    assert "memory_budget_mib=3501" in err.fix and "host with more memory" in err.fix
+    assert "lower the max shapes of model.profiles[0]" in err.fix
+    step_first = Estimate(300 * MIB, 10 * MIB, "m.onnx", 5000 * MIB, "the largest step", "model.profiles[1]")
+    with pytest.raises(ConfigError, match=r"^model\.profiles\[1\]: this build needs at least 5320 MiB"):
+        fit_check(step_first, Budget(4000, "memory_budget_mib"))
+    warning = fit_check(e, Budget(int(2800 / WARN_SHARE) - 10, "memory_budget_mib"))
+    assert warning is not None and "this build needs at least 2800 MiB" in warning and "memory_budget_mib=N" in warning
+    assert fit_check(e, Budget(int(2800 / WARN_SHARE) + 10, "memory_budget_mib")) is None
+    assert fit_check(e, None) is None  # a host that does not say: nothing to check against

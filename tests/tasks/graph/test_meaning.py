@@ -154,3 +154,75 @@ def test_a_float_compared_with_zero_is_no_mask_and_an_image_keeps_its_noise():
     m = _model(nodes, [oh.make_tensor_value_info("x", TP.FLOAT, ["n", 3])],
                [oh.make_tensor_value_info("y", TP.FLOAT, ["n", 3])], inits)
     assert input_domains(m, ["x"]) == {}
+
+
+def tiny_speech(sink: str):
+    """A TTS length regulator: each token's duration round(sigmoid(x) * base / speed), clipped to >= 1, summed: the
+    audio's length, made by ``sink`` (``range``: Range(0, total); ``fill``: ConstantOfShape(total)); x[1, T] stands for
+    the duration predictor's logits (a network's output: its values are no size the graph shows)."""
+    inits = [nh.from_array(np.array([4.0], np.float32), "base"), nh.from_array(np.array(1.0, np.float32), "lo"),
+             nh.from_array(np.array(0, np.int64), "zero"), nh.from_array(np.array(1, np.int64), "one_i"),
+             nh.from_array(np.array([0], np.int64), "ax0")]
+    nodes = [oh.make_node("Div", ["base", "speed"], ["per"]), oh.make_node("Sigmoid", ["x"], ["p"]),
+             oh.make_node("Mul", ["p", "per"], ["dur_f"]),
+             oh.make_node("Round", ["dur_f"], ["dr"]), oh.make_node("Clip", ["dr", "lo"], ["dc"]),
+             oh.make_node("Cast", ["dc"], ["d"], to=TP.INT64), oh.make_node("ReduceSum", ["d"], ["total"], keepdims=0)]
+    if sink == "range":
+        nodes += [oh.make_node("Range", ["zero", "total", "one_i"], ["audio_i"]),
+                  oh.make_node("Cast", ["audio_i"], ["audio"], to=TP.FLOAT)]
+    else:
+        nodes += [oh.make_node("Unsqueeze", ["total", "ax0"], ["shape"]),
+                  oh.make_node("ConstantOfShape", ["shape"], ["audio"],
+                               value=nh.from_array(np.array([0.5], np.float32)))]
+    ins = [oh.make_tensor_value_info("x", TP.FLOAT, [1, "t"]), oh.make_tensor_value_info("speed", TP.FLOAT, [1])]
+    return _model(nodes, ins, [oh.make_tensor_value_info("audio", TP.FLOAT, ["samples"])], inits)
+
+
+@pytest.mark.parametrize("sink", ["range", "fill"])
+def test_an_input_whose_value_sets_an_output_s_length_is_drawn_near_1_so_the_shapes_stay_bounded(sink):
+    """speed divides the durations that set the audio's length: drawn in [1/SIZE_SPAN, SIZE_SPAN] (not near 0, which
+    makes the output, and the memory to run it, without bound); the data notes say why."""
+    from tasks.graph.meaning import SIZE_SPAN
+
+    m = tiny_speech(sink)
+    inputs, _ = graph_io(m)
+    d = input_domains(m, ["x", "speed"])
+    assert list(d) == ["speed"] and d["speed"].kind == "size"
+    assert ("Range" if sink == "range" else "ConstantOfShape") in d["speed"].why
+    assert "Div -> Mul -> Round -> Clip -> Cast -> ReduceSum" in d["speed"].why
+    prof = [{"x": {"min": [1, 4], "opt": [1, 16], "max": [1, 32]}, "speed": {"min": [1], "opt": [1], "max": [1]}}]
+    rules = shape_rules(inputs, prof, m)
+    feeds = generated_feeds(inputs, prof, 200, 0, rules=rules)
+    speeds = np.concatenate([f["speed"] for f in feeds])
+    assert (speeds >= 1 / SIZE_SPAN).all() and (speeds <= SIZE_SPAN).all() and speeds.std() > 0.1
+    for f in feeds[:20]:  # the length the model makes stays within SIZE_SPAN of its length at speed 1
+        p = 1 / (1 + np.exp(-f["x"]))
+        at_1 = np.clip(np.round(p * 4.0), 1, None).sum()
+        assert _run(m, f)[0].size <= SIZE_SPAN * at_1 + p.size
+    from tasks.data.datasets import split_data
+    s = split_data(inputs=inputs, profiles=prof, rules=rules, calibrate=False, search=False, validate=True)
+    note = next(n for n in s.validation.notes if "domain the graph shows" in n)
+    assert "speed: values near 1 (log-uniform in [0.67, 1.5]: shapes bounded), as its value sets the size of" in note
+
+
+def test_user_ids_outside_the_table_the_graph_shows_are_refused_before_any_work(tmp_path):
+    """calibration.data whose token ids pass the embedding's rows: bad input (exit 2) naming the input, the ids found,
+    the table and the fix, instead of ONNX Runtime failing on the Gather mid-stage."""
+    from tasks.common.errors import ConfigError
+    from tasks.data.inputs import load_data
+
+    m = tiny_transformer("bool")
+    inputs, _ = graph_io(m)
+    rules = shape_rules(inputs, SEQ_PROFILE, m)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, VOCAB, (3, 16)).astype(np.int64)
+    feed = {"input_ids": ids, "token_type_ids": np.zeros_like(ids), "mask": np.ones((3, 16), bool)}
+    np.savez(tmp_path / "ok.npz", **feed)
+    assert load_data(str(tmp_path / "ok.npz"), inputs, SEQ_PROFILE, "calibration.data", rules=rules)[0]
+    ids[1, 3] = VOCAB + 7
+    np.savez(tmp_path / "bad.npz", **{**feed, "input_ids": ids})
+    with pytest.raises(ConfigError) as e:
+        load_data(str(tmp_path / "bad.npz"), inputs, SEQ_PROFILE, "calibration.data", rules=rules)
+    assert e.value.exit_code == 2
+    assert f"input 'input_ids' holds ids from 0 to {VOCAB + 7}, outside [0, {VOCAB}): it indexes an embedding table" \
+        in e.value.message and f"[0, {VOCAB})" in e.value.fix
