@@ -37,13 +37,16 @@ def stage_peak_counts_children():
     try:
         base = _rss()
         child = subprocess.Popen([sys.executable, "-c", "import time; b = bytearray(200 << 20); b[::4096] = b'x' * "
-                                  "len(b[::4096]); print('touched', flush=True); time.sleep(3)"],
+                                  "len(b[::4096]); print('touched', flush=True); time.sleep(10)"],
                                  stdout=subprocess.PIPE, text=True)
         with w.stage("a"):
             a = np.ones(300 * MIB // 8)  # 300 MiB, touched, freed at once: only the high-water mark sees it
             del a
             assert child.stdout.readline().strip() == "touched"  # the child holds its 200 MiB from here
-            time.sleep(1.0)  # several samples while it does, however loaded the host
+            deadline = time.monotonic() + 60  # until a sample has seen it, however loaded the host
+            while w._children < 150 * MIB and time.monotonic() < deadline and child.poll() is None:
+                time.sleep(0.05)
+            child.kill()
             child.wait()
             child.stdout.close()
         with w.stage("b"):
