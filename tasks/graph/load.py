@@ -16,7 +16,8 @@ from tasks.graph.edit import toposort
 
 def load_onnx(path: Path, key: str = "model.source", load_external_data: bool = True) -> onnx.ModelProto:
     """Load and check an ONNX file; a corrupt or unreadable file is a ConfigError naming it. Nodes out of topological
-    order (ONNX Runtime and TensorRT accept them; the stages need the order) are sorted."""
+    order (ONNX Runtime and TensorRT accept them; the stages need the order) are sorted. Without
+    ``load_external_data``, a model that keeps its weights in side files is returned unchecked (its graph only)."""
     try:
         model = onnx.load(str(path), load_external_data=False)
         side = external_data_files(model, Path(path).parent)
@@ -30,6 +31,8 @@ def load_onnx(path: Path, key: str = "model.source", load_external_data: bool = 
                           file=str(path), fix="re-export the model, or point the key at the right file") from None
     if not model.graph.node:
         raise ConfigError(f"{key}: {path} has an empty graph", file=str(path), fix="re-export the model")
+    if side and not load_external_data:  # the graph alone: checked when it is loaded with its weights (the checker
+        return model                     # looks for the weights' files relative to the working directory)
     for first in (True, False):
         try:
             onnx.checker.check_model(model, full_check=False)
