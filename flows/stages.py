@@ -426,8 +426,11 @@ def validate(ctx: BuildContext) -> StageResult:
                 r = e.result
             if shipped and dequantized:  # how far the float model the engine computes is from the model as shipped
                 from tasks.prequant import dequantized_vs_shipped
-                r.metrics["dequantized_vs_shipped_cosine_min"] = dequantized_vs_shipped(ref.files["onnx"], reference,
-                                                                                        val.feeds)
+                apart, judged = dequantized_vs_shipped(ref.files["onnx"], reference, val.feeds, metric)
+                r.metrics["dequantized_vs_shipped_cosine_min"] = apart
+                if judged is not None:  # the user's metric decides what the fix says
+                    r.metrics["dequantized_vs_shipped_score"] = judged["score"]
+                    r.details["dequantized_vs_shipped"] = judged
             return r
 
     r = ctx.cached("validate", parts, work, data=True)
@@ -441,7 +444,8 @@ def validate(ctx: BuildContext) -> StageResult:
     apart = r.metrics.get("dequantized_vs_shipped_cosine_min")
     if apart is not None:
         from tasks.prequant import dequantized_fix
-        fix = dequantized_fix(apart, val.kind == "random", ctx.cfg.accuracy.min_cosine)
+        fix = dequantized_fix(apart, val.kind == "random", ctx.cfg.accuracy.min_cosine,
+                              r.details.get("dequantized_vs_shipped"))
         if not r.details["passed"]:
             ctx.warn("validate", fix)
     gate(r, label=label, fix=fix,

@@ -33,6 +33,19 @@ def test_the_refusal_says_what_dequantizing_did_and_how_to_choose(prefect_harnes
     assert "itself gives cosine" not in err  # not the shipped model's agreement with itself: beside the point here
 
 
+def test_the_float_forms_distance_is_judged_by_the_users_metric(prefect_harness, dyn_dir, tmp_path):
+    """With accuracy.metric other than cosine, how far the float form is from the model as shipped is said, and judged,
+    by that metric: here elementwise tolerances no float form of a dynamically quantized model meets."""
+    s = build(["model=dyn", "precision=fp32", "model.dequantize_dynamic=true", "accuracy.metric=allclose",
+               "accuracy.atol=1e-9", "accuracy.rtol=1e-9", "stages.benchmark=false"], dyn_dir, tmp_path / "m")
+    assert s["status"] == "failed"
+    score = s["metrics"]["dequantized_vs_shipped_score"]
+    assert 0 <= score < 1.0
+    err = s["error"]
+    assert f"scores {score:.6g} by accuracy.metric=allclose (fails share of elements within" in err, err
+    assert "no engine of it can agree more closely with the model as shipped" in err
+
+
 def test_the_user_can_pick_the_dequantized_float_form_as_the_reference(prefect_harness, dyn_dir, tmp_path):
     s = build(["model=dyn", "precision=fp16", "model.dequantize_dynamic=true", "model.reference=dequantized",
                "stages.benchmark=false"], dyn_dir, tmp_path / "b")
