@@ -149,9 +149,12 @@ def test_two_hosts_build_a_users_model_calibrating_once_and_survive_a_killed_wor
                PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="1",
                PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS="1",  # expired leases are taken back at once
                TRTFORGE_FARM_LEASE_SECONDS="60", TRTFORGE_FARM_WAIT_SECONDS="600")
-    old = dict(os.environ)
+    import mlflow
+
+    old, old_uri = dict(os.environ), mlflow.get_tracking_uri()
     os.environ.update(env)
     os.environ.pop("PREFECT_API_URL", None)
+    mlflow.set_tracking_uri(mlflow_url)  # this process's calls too (an in-process build earlier set its own store)
     server, workers = None, []
     user = user_dir(tmp_path / "user")
     try:
@@ -262,6 +265,7 @@ def test_two_hosts_build_a_users_model_calibrating_once_and_survive_a_killed_wor
             os.killpg(tracking.pid, signal.SIGKILL)
         os.environ.clear()
         os.environ.update(old)
+        mlflow.set_tracking_uri(old_uri)
 
 
 def test_a_worker_builds_from_checked_copies_at_paths_named_by_their_content(tmp_path, monkeypatch):
