@@ -65,9 +65,12 @@ def test_two_workers_on_two_pools_each_take_only_their_own_targets_with_authenti
                MLFLOW_TRACKING_USERNAME="admin", MLFLOW_TRACKING_PASSWORD=password,
                PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="1",
                TRTFORGE_FARM_WORKDIR=str(tmp_path / "farm"))  # the workers' folders in the test's own
-    old = dict(os.environ)
+    import mlflow
+
+    old, old_uri = dict(os.environ), mlflow.get_tracking_uri()
     os.environ.update(env)
     os.environ.pop("PREFECT_API_URL", None)
+    mlflow.set_tracking_uri(mlflow_url)  # this process's calls too (an in-process build earlier set its own store)
     server, workers = None, []
     try:
         url, server = ensure_server(port)  # this user's server, requiring the secret
@@ -133,3 +136,4 @@ def test_two_workers_on_two_pools_each_take_only_their_own_targets_with_authenti
             os.killpg(tracking.pid, signal.SIGKILL)
         os.environ.clear()
         os.environ.update(old)
+        mlflow.set_tracking_uri(old_uri)
