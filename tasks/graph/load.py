@@ -21,11 +21,14 @@ def load_onnx(path: Path, key: str = "model.source", load_external_data: bool = 
     try:
         model = onnx.load(str(path), load_external_data=False)
         side = external_data_files(model, Path(path).parent)
+        check_protobuf_limit(model, path, key)
         note(*side)  # onnx reads them in C++: the audit hook cannot see it
         if side and load_external_data:
             from onnx.external_data_helper import load_external_data_for_model
 
             load_external_data_for_model(model, str(Path(path).parent))
+    except ConfigError:
+        raise
     except Exception as e:  # protobuf DecodeError, missing external data, ...
         raise ConfigError(f"{key}: {path} is not a readable ONNX model ({type(e).__name__}: {cause(e)})",
                           file=str(path), fix="re-export the model, or point the key at the right file") from None
@@ -43,6 +46,38 @@ def load_onnx(path: Path, key: str = "model.source", load_external_data: bool = 
             raise ConfigError(f"{key}: {path} fails the ONNX checker: {cause(e)}", file=str(path),
                               fix="re-export the model with a supported opset") from None
     return model
+
+
+# protobuf's limit on one serialized message: every stage holds the model as one ModelProto and serializes it for
+# ONNX Runtime and the TensorRT parser
+PROTOBUF_LIMIT = 2**31 - 1
+
+
+def stored_bytes(model: onnx.ModelProto, base: Path) -> int:
+    """The bytes of ``model`` (loaded without its external data) once its external weights are read into it: the
+    graph as loaded plus each external tensor's length (the rest of its file where no length is written)."""
+    total = model.ByteSize()
+    for t in model.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            info = {e.key: e.value for e in t.external_data}
+            if "length" in info:
+                total += int(info["length"])
+            elif (base / info.get("location", "")).is_file():
+                total += max(0, (base / info["location"]).stat().st_size - int(info.get("offset") or 0))
+    return total
+
+
+def check_protobuf_limit(model: onnx.ModelProto, path: Path, key: str) -> None:
+    """A model that with its weights passes protobuf's 2 GB limit on one message is refused before its weights are
+    read, naming its size and what would fit."""
+    size = stored_bytes(model, Path(path).parent)
+    if size > PROTOBUF_LIMIT:
+        raise ConfigError(
+            f"{key}: {path} holds {size / 1e9:.2f} GB with its weights, past the 2 GB one ONNX protobuf message can "
+            "hold; trtforge's stages hold the model as one message (for ONNX Runtime and the TensorRT parser)",
+            file=str(path),
+            fix="export the model in parts under 2 GB each (e.g. its encoder and decoder) and build each, or export "
+                "its weights in fp16 and build it at precision=fp16")
 
 
 def external_data_files(model: onnx.ModelProto, base: Path) -> list[Path]:
