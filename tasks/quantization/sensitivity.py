@@ -421,6 +421,7 @@ def probe_model(q, full: onnx.ModelProto, fp32: onnx.ModelProto) -> tuple[onnx.M
             outputs[n.name] = n.output[0]
             c.output[0] = n.output[0] + "__quantized"
         nodes.append(c)
+    need, outputs = _fp32_names(fp32, nodes, need, outputs)
     m32 = onnx.shape_inference.infer_shapes(fp32)
     vi = {v.name: v for v in (*m32.graph.value_info, *m32.graph.input, *m32.graph.output)}
     inputs = [vi[x] if x in vi else helper.make_tensor_value_info(x, TensorProto.FLOAT, None) for x in need]
@@ -429,6 +430,25 @@ def probe_model(q, full: onnx.ModelProto, fp32: onnx.ModelProto) -> tuple[onnx.M
     m = helper.make_model(graph, opset_imports=full.opset_import)
     m.ir_version = full.ir_version
     return m, need, outputs
+
+
+def _fp32_names(fp32: onnx.ModelProto, nodes: list, need: list[str], outputs: dict[str, str]):
+    """A quantized tensor that is also a graph output (a segment's boundary) keeps its name on the DequantizeLinear's
+    output, and its producer's output is renamed ``<name>_QuantizeLinear_Input`` (ONNX Runtime's quantizer): the probe
+    reads such a value from the fp32 model under its own name, and its DequantizeLinear's output gets another."""
+    from onnxruntime.quantization.quant_utils import QUANT_INPUT_SUFFIX
+
+    made = {i.name for i in fp32.graph.input} | {o for n in fp32.graph.node for o in n.output}
+    back = {x: x[:-len(QUANT_INPUT_SUFFIX)] for x in (*need, *outputs.values())
+            if x not in made and x.endswith(QUANT_INPUT_SUFFIX) and x[:-len(QUANT_INPUT_SUFFIX)] in made}
+    if not back:
+        return need, outputs
+    clash = {b: b + "__dequantized" for b in back.values()}
+    layer_out = {x + "__quantized": b + "__quantized" for x, b in back.items()}
+    for c in nodes:
+        c.input[:] = [back.get(x) or clash.get(x, x) for x in c.input]
+        c.output[:] = [layer_out.get(x) or clash.get(x, x) for x in c.output]
+    return [back.get(x, x) for x in need], {k: back.get(v, v) for k, v in outputs.items()}
 
 
 def local_errors(quantizers: dict[str, object], fp32_path, feeds: list[dict],

@@ -135,3 +135,40 @@ def test_the_screen_runs_several_subsets_at_once_with_the_figures_of_each_alone(
     assert together == [s.cosines(names, feeds, refs) for names in subsets]
     assert min(together[0]) > 1 - 1e-6 and all(max(c) < 1 - 1e-6 for c in together[1:])  # quantizing costs
     assert together[1] != together[2]  # each subset its own runs
+
+
+def test_a_quantized_value_that_is_also_a_graph_output_is_probed_and_searched(tmp_path):
+    """A segment whose boundary value is also a quantized layer's input (a LayerNorm output that leaves the segment and
+    feeds a MatMul in it, as in CAUSTIC PaiNN): ONNX Runtime's quantizer renames the value's producer output to
+    ``<name>_QuantizeLinear_Input``. The ranges chosen by local error probe it under the fp32 model's name, and the
+    written graph keeps both outputs."""
+    from tasks.quantization.calibrate import qdq_from_onnx
+
+    rng = np.random.default_rng(1)
+    w = [numpy_helper.from_array((rng.standard_normal((16, 16)) * 0.25).astype(np.float32), f"w{i}") for i in range(3)]
+    nodes = [helper.make_node("MatMul", ["x", "w0"], ["a"], name="mm0"),
+             helper.make_node("Relu", ["a"], ["t"], name="relu"),
+             helper.make_node("MatMul", ["t", "w1"], ["b"], name="mm1"),
+             helper.make_node("Tanh", ["b"], ["c"], name="tanh"),
+             helper.make_node("MatMul", ["c", "w2"], ["y"], name="mm2")]
+    graph = helper.make_graph(nodes, "boundary", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8, 16]),
+                               helper.make_tensor_value_info("t", TensorProto.FLOAT, [8, 16])], w)
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 9
+    onnx.save(m, str(tmp_path / "m.onnx"))
+    feeds = [{"x": rng.standard_normal((8, 16)).astype(np.float32)} for _ in range(12)]
+    # a target every layer int8 misses (0.99978 less its error) and one layer alone meets (0.99989): the search runs
+    # and chooses ranges by local error
+    r = qdq_from_onnx(tmp_path / "m.onnx", feeds[:6], tmp_path / "q.onnx", min_cosine=0.99985, eval_feeds=feeds[6:],
+                      workdir=tmp_path / "work")
+    rows = {s["node"]: s for s in r.details["sensitivity"]}
+    assert set(rows["mm1"]["local_errors"]) == {"entropy", "percentile", "minmax"}, rows  # probed through the renamed value
+    q = onnx.load(str(tmp_path / "q.onnx"))
+    assert [o.name for o in q.graph.output] == ["y", "t"]
+    run = ort_runner(q.SerializeToString(), stage="test")
+    ref = ort_runner(m.SerializeToString(), stage="test")
+    got, want = run(feeds[0]), ref(feeds[0])
+    assert r.metrics["quantized_layers"] >= 1, r.metrics
+    for name in ("y", "t"):
+        assert np.corrcoef(got[name].ravel(), want[name].ravel())[0, 1] > 0.999, name
