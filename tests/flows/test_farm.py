@@ -34,6 +34,34 @@ def start_mlflow_with_basic_auth(tmp: Path, port: int, password: str) -> subproc
                             env=env, cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
+def stop(p: subprocess.Popen, sig=signal.SIGINT) -> None:
+    """Stop a process group: ``sig``, then SIGKILL after 10 s."""
+    for s in (sig, signal.SIGKILL):
+        try:
+            os.killpg(p.pid, s)
+            p.wait(10)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+        except ProcessLookupError:
+            return
+
+
+def stop_farm(workers: list, server, tracking: subprocess.Popen, env: dict, uri: str) -> None:
+    """A farm test's teardown: its workers, its Prefect server (if started) and tracking server stopped, this process's
+    environment and MLflow tracking URI restored."""
+    import mlflow
+
+    for w in workers:
+        stop(w)
+    if server is not None:
+        os.killpg(server.pid, signal.SIGTERM)
+    stop(tracking, signal.SIGTERM)
+    os.environ.clear()
+    os.environ.update(env)
+    mlflow.set_tracking_uri(uri)
+
+
 def mlflow_get(url: str, path: str, auth: tuple[str, str] | None) -> tuple[int, dict]:
     import base64
     import json
@@ -117,23 +145,4 @@ def test_two_workers_on_two_pools_each_take_only_their_own_targets_with_authenti
         code, found = mlflow_get(mlflow_url, "/api/2.0/mlflow/registered-models/get?name=tiny", ("admin", password))
         assert code == 200 and found["registered_model"]["aliases"][0]["alias"] == "sm_86-fp32", found
     finally:
-        for w in workers:
-            for sig in (signal.SIGINT, signal.SIGINT, signal.SIGKILL):
-                try:
-                    os.killpg(w.pid, sig)
-                    w.wait(5)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-                except ProcessLookupError:
-                    break
-        if server is not None:
-            os.killpg(server.pid, signal.SIGTERM)
-        os.killpg(tracking.pid, signal.SIGTERM)
-        try:
-            tracking.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(tracking.pid, signal.SIGKILL)
-        os.environ.clear()
-        os.environ.update(old)
-        mlflow.set_tracking_uri(old_uri)
+        stop_farm(workers, server, tracking, old, old_uri)

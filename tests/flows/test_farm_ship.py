@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from tasks.common import ConfigError
-from tests.flows.test_farm import mlflow_get, start_mlflow_with_basic_auth
+from tests.flows.test_farm import mlflow_get, start_mlflow_with_basic_auth, stop, stop_farm
 from tests.flows.test_serve import api, free_port
 from tests.tasks.accuracy.test_metric import MINORITY, make_softmax_classifier
 
@@ -88,18 +88,6 @@ def start_worker(root: Path, env: dict, name: str, extra: dict | None = None) ->
     return subprocess.Popen([prefect, "worker", "start", "--pool", "trtforge-rtx", "--name", name, "--limit", "1"],
                             env=e, cwd=root, stdout=open(root / "worker.log", "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
-
-
-def stop(p: subprocess.Popen, sig=signal.SIGINT) -> None:
-    for s in (sig, signal.SIGKILL):
-        try:
-            os.killpg(p.pid, s)
-            p.wait(10)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-        except ProcessLookupError:
-            return
 
 
 def kill_host(p: subprocess.Popen) -> None:
@@ -254,18 +242,7 @@ def test_two_hosts_build_a_users_model_calibrating_once_and_survive_a_killed_wor
         assert not held_leases(url)
         assert store.get_json(f"runs/{first.id}.json") is None  # the killed build left no result
     finally:
-        for w in workers:
-            stop(w)
-        if server is not None:
-            os.killpg(server.pid, signal.SIGTERM)
-        os.killpg(tracking.pid, signal.SIGTERM)
-        try:
-            tracking.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(tracking.pid, signal.SIGKILL)
-        os.environ.clear()
-        os.environ.update(old)
-        mlflow.set_tracking_uri(old_uri)
+        stop_farm(workers, server, tracking, old, old_uri)
 
 
 def test_a_worker_builds_from_checked_copies_at_paths_named_by_their_content(tmp_path, monkeypatch):
