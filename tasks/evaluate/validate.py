@@ -281,7 +281,13 @@ def gate(result: StageResult, label: str | None = None, fix: str | None = None,
         if failing:
             msg += f"; {failing}"
         ref_bad = ((r.get("nonfinite") or {}).get("reference") or {}).get(worst)
-        if ref_bad and r["outputs"][worst].get("nonfinite_mismatch"):  # no precision makes the NaN/inf line up
+        if r["outputs"][worst].get("error"):  # a size the model computes from values came out otherwise
+            msg += (f": on some feeds its shape differs from the reference's ({r['outputs'][worst]['error']}): the "
+                    "model computes that size from values (a predicted duration, a decode that stops, a threshold), "
+                    "so a cosine of 0 says the build took another discrete decision there, not how close its values are")
+            default_fix = ("judge the output with a metric that compares outputs of different lengths "
+                           "(accuracy.metric=module:function, docs/accuracy.md), or use a higher precision")
+        elif ref_bad and r["outputs"][worst].get("nonfinite_mismatch"):  # no precision makes the NaN/inf line up
             random_inputs = r["nonfinite"].get("random_inputs")
             msg += (f": its fp32 reference holds {ref_bad['count']} non-finite values and the build is non-finite at "
                     f"other places ({r['outputs'][worst]['nonfinite_mismatch']} elements differ), so the cosine "

@@ -118,3 +118,42 @@ def test_a_quantized_reference_is_computed_as_written(quantized_models, tmp_path
     with pytest.raises(AccuracyError) as e:  # the float model is ~0.9996 from its quantized version: below this budget
         validate_onnx(shipped, fp32, feeds, 0.99999, "random", tmp_path / "b.json", reference_label="the model as shipped")
     assert "to the model as shipped" in str(e.value) and "reference_spread" not in r.details, str(e.value)
+
+def _length_model(path, offset: float):
+    """y = [0, 1, ..., floor(sum(x) + offset) - 1] as float: an output whose length the model computes from values, as
+    a TTS model's audio from its predicted durations."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    nodes = [helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0),
+             helper.make_node("Add", ["s", "offset"], ["t"]),
+             helper.make_node("Floor", ["t"], ["f"]),
+             helper.make_node("Cast", ["f"], ["n"], to=TensorProto.INT64),
+             helper.make_node("Range", ["zero", "n", "one"], ["r"]),
+             helper.make_node("Cast", ["r"], ["y"], to=TensorProto.FLOAT)]
+    inits = [numpy_helper.from_array(np.array(offset, np.float32), "offset"),
+             numpy_helper.from_array(np.array(0, np.int64), "zero"), numpy_helper.from_array(np.array(1, np.int64), "one")]
+    g = helper.make_graph(nodes, "length", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 9
+    onnx.save(m, str(path))
+    return path
+
+
+def test_an_output_whose_length_differs_is_said_to_be_another_decision_not_precision(tmp_path):
+    """A candidate that computes another length on some feeds: the verdict says the shapes differ, why a cosine of 0
+    says nothing about precision there, and points at a metric that compares outputs of different lengths."""
+    from tasks.evaluate.validate import gate
+
+    ref, cand = _length_model(tmp_path / "ref.onnx", 0.0), _length_model(tmp_path / "cand.onnx", 1.0)
+    feeds = [{"x": np.full(4, v, np.float32)} for v in (2.0, 3.0, 4.0)]
+    with pytest.raises(AccuracyError) as ei:
+        validate_onnx(ref, cand, feeds, 0.99, "test feeds", tmp_path / "validation.json")
+    result = ei.value.result
+    with pytest.raises(AccuracyError) as ei:
+        gate(result)
+    msg = ei.value.message
+    assert "output 'y' has cosine 0.000000" in msg, msg
+    assert "on some feeds its shape differs from the reference's (shape [" in msg and "another discrete decision" in msg
+    assert "accuracy.metric=module:function" in ei.value.fix, ei.value.fix
