@@ -114,9 +114,10 @@ def test_two_workers_on_two_pools_each_take_only_their_own_targets_with_authenti
         assert mlflow_get(mlflow_url, search, ("admin", "wrong"))[0] == 401
         prefect = str(Path(sys.executable).with_name("prefect"))
         subprocess.run([sys.executable, "-m", "flows.farm", "setup"], env=env, check=True, cwd=tmp_path, timeout=300)
+        (tmp_path / "tmp").mkdir(mode=0o700)  # the workers' temp folder: Prefect's runner keeps attempt folders there
         for pool in ("trtforge-rtx", "trtforge-sm_90"):
             workers.append(subprocess.Popen([prefect, "worker", "start", "--pool", pool, "--name", f"w-{pool}"],
-                                            env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                            env={**env, "TMPDIR": str(tmp_path / "tmp")}, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                             start_new_session=True))
         from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 

@@ -82,8 +82,9 @@ def start_worker(root: Path, env: dict, name: str, extra: dict | None = None) ->
     """A worker as on a host of its own: HOME, Prefect home, XDG cache and working dir under `root`, nothing shared."""
     root.mkdir(parents=True, exist_ok=True)
     e = {**env, "HOME": str(root), "PREFECT_HOME": str(root / ".prefect"), "XDG_CACHE_HOME": str(root / ".cache"),
-         "XDG_RUNTIME_DIR": str(root / "run"), **(extra or {})}
+         "XDG_RUNTIME_DIR": str(root / "run"), "TMPDIR": str(root / "tmp"), **(extra or {})}
     (root / "run").mkdir(mode=0o700, exist_ok=True)
+    (root / "tmp").mkdir(mode=0o700, exist_ok=True)  # Prefect's runner keeps its attempt folders there
     prefect = str(Path(sys.executable).with_name("prefect"))
     return subprocess.Popen([prefect, "worker", "start", "--pool", "trtforge-rtx", "--name", name, "--limit", "1"],
                             env=e, cwd=root, stdout=open(root / "worker.log", "w"), stderr=subprocess.STDOUT,

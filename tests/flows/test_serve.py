@@ -49,7 +49,8 @@ def test_the_rebuild_deployment_runs_on_its_cron_schedule(tmp_path):
     port, out = free_port(), tmp_path / "rebuild.json"
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.update(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_RUNNER_POLL_FREQUENCY="1",
-               MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}")
+               MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}", TMPDIR=str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir(mode=0o700)  # Prefect's runner keeps its attempt folders there
     serve = subprocess.Popen([sys.executable, "-m", "flows.serve", f"port={port}", "cron=* * * * *",
                               "experiment=nothing-tracked-yet", f"rebuild_out={out}"], cwd=tmp_path, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
