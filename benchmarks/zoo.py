@@ -430,7 +430,7 @@ def calibration_data(name: str, form: str, folder: Path, samples: int = CALIBRAT
 def error_status(reason: str) -> str:
     """A build stopped before publishing: "refused" when by design (a precision its engine would not compute, for a
     model that arrives quantized: the error names the precision and the fix), else "error"."""
-    return "refused" if re.match(r"(\[build\] )?precision=\w+: ", reason) else "error"
+    return "refused" if re.search(r"(^|: )(\[build\] )?precision=\w+: ", reason) else "error"  # after a sweep's overrides
 
 
 def zoo_env(tmp: Path) -> dict:
