@@ -194,9 +194,15 @@ def engines_for_segments(segments: list[dict], graphs: dict[int, Path], stem: st
         raise SegmentBuildError(e.message, segment=seg, stage=e.stage, file=e.file, fix=e.fix) from e
     wrong = label and label_disagreement(label, prof.metrics.get("flops_share"))
     if wrong:
+        eight_bit = label in ("int8", "fp8") and not (prof.metrics.get("flops_share") or {}).get(label)  # its Q/DQ
+        # reach no layer TensorRT computes
         raise StageError(f"an engine named {label} would compute {wrong}", stage=stage,
-                         fix=f"build it at the precision it computes (precision=fp32 when fp16 keeps every layer in "
-                             f"fp32: see the conversion's reasons; build.fp16_data_max decides range-kept layers)")
+                         fix=(f"build it at precision=fp16: none of its {label} layers is in a TensorRT part (a model "
+                              "that arrives quantized dynamically runs those layers in ONNX Runtime; "
+                              f"model.dequantize_dynamic=true dequantizes them to calibrate them to {label})")
+                         if eight_bit else
+                         ("build it at the precision it computes (precision=fp32 when fp16 keeps every layer in "
+                          "fp32: see the conversion's reasons; build.fp16_data_max decides range-kept layers)"))
     files, metrics, details = {}, {}, {"engines": [], "backend": backend.version, "compute_capability": compute_capability}
     for s in segments:
         try:

@@ -85,3 +85,32 @@ def test_a_dynamically_quantized_conv1d_with_weights_in_the_graph_builds_as_one_
     assert s["status"] == "ok", s.get("error")
     assert s["metrics"]["trt_subgraphs"] == 1 and s["metrics"]["fallback_nodes"] == 0, s["metrics"]
     assert s["metrics"]["dequantized_vs_shipped_cosine_min"] >= 0.999, s["metrics"]
+
+
+def test_an_int8_build_whose_q_dq_reach_no_tensorrt_layer_says_to_build_at_fp16(
+        prefect_harness, quantized_models, tmp_path):  # noqa: F811
+    """A dynamically quantized model that also carries a Q/DQ pair (on its output, as Kokoro's 4 pairs beside 380
+    dynamic ops): built at int8 as shipped, its TensorRT parts compute no int8, and the refusal says to build it at
+    fp16 or dequantize it, not to look at fp16's range checks."""
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    m = onnx.load(str(quantized_models["dynamic"]))
+    g = m.graph
+    out = g.output[0].name
+    for n in g.node:
+        n.output[:] = [out + "_f" if o == out else o for o in n.output]
+    g.initializer.extend([numpy_helper.from_array(np.array(0.05, np.float32), "q_scale"),
+                          numpy_helper.from_array(np.array(0, np.int8), "q_zero")])
+    g.node.extend([helper.make_node("QuantizeLinear", [out + "_f", "q_scale", "q_zero"], [out + "_q"]),
+                   helper.make_node("DequantizeLinear", [out + "_q", "q_scale", "q_zero"], [out])])
+    onnx.save(m, str(tmp_path / "mixed.onnx"))
+    d = tmp_path / "conf"
+    (d / "model").mkdir(parents=True)
+    (d / "model" / "mixed.yaml").write_text(f"name: mixed\nformat: onnx\nsource: {tmp_path / 'mixed.onnx'}\n" + PROFILE)
+    s = build(["model=mixed", "precision=int8", "stages.benchmark=false"], d, tmp_path / "b")
+    assert s["status"] == "failed"
+    assert "an engine named int8 would compute fp32 100.0% of its FLOPs" in s["error"], s["error"]
+    assert "build it at precision=fp16: none of its int8 layers is in a TensorRT part" in s["error"]
+    assert "model.dequantize_dynamic=true" in s["error"] and "fp16_data_max" not in s["error"]
