@@ -246,15 +246,11 @@ def stage_case(case: str, pages: int, size: int, tmp: Path) -> dict:
     if not (run / "summary.json").is_file():
         raise SystemExit(f"{case}: no summary (exit {proc.returncode}): {proc.stderr[-1500:]}")
     timing: dict = {}  # the search's seconds per step, from the calibrate stage's cached result (not in summary.json)
-    starts: list[int] = []  # the search session's runs by the stage they started at
     for result in (run / "cache" / "calibrate-qdq").glob("*/result.json"):
         for seg in json.loads(result.read_text()).get("details", {}).get("segments", []):
             for k, v in (seg.get("search_timing") or {}).items():
                 timing[k] = timing.get(k, 0.0) + v
-            for k, v in enumerate(seg.get("search_runs_from_stage") or []):
-                starts += [0] * (k + 1 - len(starts))
-                starts[k] += v
-    return {**json.loads((run / "summary.json").read_text()), "wall": wall, "timing": timing, "starts": starts,
+    return {**json.loads((run / "summary.json").read_text()), "wall": wall, "timing": timing,
             "cpu": _children_cpu() - cpu0}
 
 
@@ -284,8 +280,7 @@ def stage_table(cases: list[str], pages: int, size: int) -> None:
             cal = s['stages'].get('calibrate', {}).get('seconds', 0)
             steps.append(f"{case}: " + ", ".join(f"{k} {v:.1f}" for k, v in s["timing"].items())
                          + f", the rest of the stage {cal - sum(s['timing'].values()):.1f} (data, fp32 references, "
-                           f"graph preparation, ranges, fp16 range checks, engine build, report); the search "
-                           f"session's runs by the stage they started at (of {len(s['starts'])}): {s['starts']}")
+                           f"graph preparation, ranges, fp16 range checks, engine build, report)")
             print(f"{case:<8} {s['status']:<7} {cal:>6.1f} "
                   f"{s['wall']:>7.1f} {s['cpu']:>6.1f} {f('search_runs', 'd'):>5} {sets:>9} {f('search_margin', '.3f'):>7} "
                   f"{f('search_cosine', '.5f'):>8} {f('cosine_min', '.5f'):>8} "

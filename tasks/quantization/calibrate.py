@@ -253,7 +253,6 @@ def _stage_result(s: SearchState, files: dict, reused: bool, prep_info: dict, ke
             "search_feeds": len(s.judge_feeds),
             "search_statistic": f"pooled cosine less {JUDGE_Z:g} standard error (jackknife over the samples)",
             "search_timing": s.timing,  # seconds: ranges chosen by local error, ranking, search, written graph
-            "search_runs_from_stage": s.runs_from_stage,  # the search session's runs by the stage they started at
             "search_set": s.judged,
             "search_judges": "the model's outputs through the rest of the model" if s.through is not None else
                              "this graph's outputs",

@@ -65,9 +65,6 @@ class SearchState:
     boundary_choice: dict | None = None  # the layers judged back to save precision boundaries, and whether they met
     timing: dict = field(default_factory=dict)
     retired_runs: int = 0  # runs of a session the search judged on and then left (the ranges race's loser)
-    # the search session's runs by the stage they started at (tasks/onnxrt/staged.py: 0 = the whole graph; k = from
-    # the values another run left at cut k)
-    runs_from_stage: list[int] = field(default_factory=list)
     judged_refs: list[dict] = field(init=False)  # what a candidate's outputs are judged against, and on which inputs
     judged_inputs: list[Feed] = field(init=False)
 
@@ -138,7 +135,6 @@ def search_layers(s: SearchState) -> None:
     s.timing["search"] = time.perf_counter() - clock - sum(s.timing.values())
     judge_written_graph(s, harm)
     s.search_runs = s.scorer.runs + s.retired_runs
-    s.runs_from_stage = list(s.scorer.session.runs_from)
     s.timing["written_graph"] = time.perf_counter() - clock - sum(s.timing.values())
     annotate_sensitivity(s, local)
     if not s.chosen:

@@ -21,13 +21,10 @@ from onnx import TensorProto, helper
 
 from tasks.accuracy.nonfinite import on_finite_reference
 from tasks.accuracy.metrics import cosine, pooled_cosine_of, pooled_estimate, pooled_sums
-from tasks.graph.flops import onnx_flops
 from tasks.onnxrt.ort import RunControl, ordered_runs, ort_run, ort_session, run_workers
-from tasks.onnxrt.staged import StagedSession
 from tasks.search.judging import meets_target, output_norms
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
-STAGES = 8  # sessions the switchable graph runs as, cut at equal shares of its FLOPs (tasks/onnxrt/staged.py)
 STAGE = "calibrate"
 
 
@@ -81,11 +78,7 @@ class Switchable:
         # ``workers`` runs at once, on ``threads`` each (tasks.onnxrt.ort.ordered_runs); through the rest of a hybrid
         # model (other sessions, run for each output) one at a time on ONNX Runtime's threads
         self.workers, threads = run_workers() if through is None else (1, 0)
-        # in stages, the values at each cut kept per flags before it: a candidate runs from the last cut before the
-        # first layer it switches differently from an earlier run of the same feed (the screen's, one layer on top of
-        # the same base: about half a run each)
-        weight = onnx_flops(q.base, {n: list(a.shape) for n, a in feeds[0].items()}) if feeds else {}
-        self.session = StagedSession(self.model, stages=STAGES, weight=weight, stage=STAGE, threads=threads)
+        self.session = ort_session(self.model.SerializeToString(), stage=STAGE, threads=threads)
         self._count = threading.Lock()
         self._control = RunControl()  # the judgement's runs, by feed index: stopped when started ahead of a refusal
         self.feeds, self.refs, self.z = feeds, refs, z
@@ -118,9 +111,7 @@ class Switchable:
         feed each would otherwise run one at a time on one thread). The same figures as one ``cosines`` each."""
         feeds, refs = feeds or self.feeds, refs or self.refs
         pairs = [(set(names), k) for names in subsets for k in range(len(feeds))]
-        run = lambda p: self._run(p[0], feeds[p[1]])  # noqa: E731
-        # the first subset's runs first: the others start from the values they keep (the screen's base)
-        outs = [*ordered_runs(run, pairs[:len(feeds)], self.workers), *ordered_runs(run, pairs[len(feeds):], self.workers)]
+        outs = ordered_runs(lambda p: self._run(p[0], feeds[p[1]]), pairs, self.workers)
         per = [min(cosine(got[k], refs[i][k]) for k in refs[i])
                for got, i in ((on_finite_reference(o, refs[k]), k) for o, (_, k) in zip(outs, pairs))]
         return [per[j * len(feeds):(j + 1) * len(feeds)] for j in range(len(subsets))]
@@ -184,7 +175,7 @@ class Switchable:
         flags = {f: np.array(n in on) for n, f in self.flags.items()}
         with self._count:  # runs may go on several threads (ordered_runs)
             self.runs += 1
-        return self.session.run({**feed, **flags}, options)
+        return ort_run(self.session, {**feed, **flags}, stage=STAGE, options=options)
 
 
 def _layers_switched_on_codes(m: onnx.ModelProto, flags: set[str]) -> onnx.ModelProto:
