@@ -78,7 +78,7 @@ class Switchable:
         # ``workers`` runs at once, on ``threads`` each (tasks.onnxrt.ort.ordered_runs); through the rest of a hybrid
         # model (other sessions, run for each output) one at a time on ONNX Runtime's threads
         self.workers, threads = run_workers() if through is None else (1, 0)
-        self.session = ort_session(self.model.SerializeToString(), stage=STAGE, threads=threads)
+        self.session = ort_session(self.model.SerializeToString(), stage=STAGE, threads=threads, mem_pattern=False)
         self._count = threading.Lock()
         self._control = RunControl()  # the judgement's runs, by feed index: stopped when started ahead of a refusal
         self.feeds, self.refs, self.z = feeds, refs, z

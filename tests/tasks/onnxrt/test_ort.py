@@ -117,3 +117,25 @@ def test_one_worker_runs_each_item_when_asked_for_it():
     runs = ordered_runs(lambda k: started.append(k) or k, range(5), 1)
     assert next(runs) == 0 and started == [0]  # lazily: nothing ahead
     assert list(runs) == [1, 2, 3, 4]
+
+
+def test_a_session_without_the_memory_pattern_gives_the_same_numbers():
+    """ort_session(mem_pattern=False) (the accuracy search's switchable session: each value allocated as the run
+    reaches it) computes exactly what the default session computes, runs two at a time included."""
+    rng = np.random.default_rng(2)
+    w1 = numpy_helper.from_array(rng.standard_normal((64, 256)).astype(np.float32), "w1")
+    w2 = numpy_helper.from_array(rng.standard_normal((256, 32)).astype(np.float32), "w2")
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
+             helper.make_node("MatMul", ["r", "w2"], ["y"])]
+    graph = helper.make_graph(nodes, "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 32])], [w1, w2])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    planned = ort_session(m.SerializeToString(), threads=1)
+    unplanned = ort_session(m.SerializeToString(), threads=1, mem_pattern=False)
+    assert planned.get_session_options().enable_mem_pattern and not unplanned.get_session_options().enable_mem_pattern
+    feeds = _feeds(4)
+    want = [ort_run(planned, f)["y"] for f in feeds]
+    got = list(ordered_runs(lambda f: ort_run(unplanned, f)["y"], feeds, 2))
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    assert not np.array_equal(want[0], want[1])
