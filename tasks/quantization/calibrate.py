@@ -95,7 +95,8 @@ def qdq_from_onnx(fp32_path: Path, feeds: list[Feed], out_path: Path, *,
         work.mkdir(parents=True, exist_ok=True)
         stack.enter_context(quiet_python_logging())
         workers, threads = run_workers()  # the references a few at a time (tasks.onnxrt.ort.ordered_runs)
-        run_fp32 = ort_runner(fp32_path, stage=STAGE, threads=threads)
+        # no arena: it would keep the largest run's activations for the whole stage (GBs at 1024x1024)
+        run_fp32 = ort_runner(fp32_path, stage=STAGE, threads=threads, arena=False)
         ref = list(ordered_runs(run_fp32, judge_feeds, workers))
         nonfinite = nonfinite_report(fp32_path, ref, judge_feeds, judged, random_inputs)  # before any judgement
         prepared, prep_info = prepare_graph(fp32_path, work / "fp32_prepared.onnx", eval_feeds[:PREPARE_FEEDS],

@@ -123,7 +123,7 @@ def check_prepared(src: Path, dst: Path, feeds: list[Feed], ref: list[dict], inf
     (measured alone) or the rest (folding constants, an fp16 model computed in fp32)."""
     from tasks.accuracy.nonfinite import on_finite_reference
 
-    run = ort_runner(dst, stage=STAGE)
+    run = ort_runner(dst, stage=STAGE, arena=False)  # a few runs: an arena would hold the largest one's activations
     outs = [on_finite_reference(run(f), r) for f, r in zip(feeds, ref)]
     cos = worst_feed_cosine(outs, ref)
     info["cosine_to_input"] = cos
@@ -166,7 +166,7 @@ def _opset_alone_changes(src: Path, feeds: list[Feed], ref: list[dict], floor: f
     from tasks.accuracy.nonfinite import on_finite_reference
 
     converted, _ = with_opset(onnx_model(src), MIN_OPSET)
-    run = ort_runner(converted.SerializeToString(), stage=STAGE)
+    run = ort_runner(converted.SerializeToString(), stage=STAGE, arena=False)
     outs = [on_finite_reference(run(f), r) for f, r in zip(feeds, ref)]
     return (exact.worst(outs, ref, feeds) if exact is not None else worst_feed_cosine(outs, ref)) < floor
 

@@ -451,6 +451,9 @@ def _fp32_names(fp32: onnx.ModelProto, nodes: list, need: list[str], outputs: di
     return [back.get(x, x) for x in need], {k: back.get(v, v) for k, v in outputs.items()}
 
 
+HELD_BYTES = 1 << 30  # what one feed's local errors may hold before feeds and methods go one at a time
+
+
 def local_errors(quantizers: dict[str, object], fp32_path, feeds: list[dict],
                  worst: bool = False) -> dict[str, dict[str, float]]:
     """{method: {layer: relative squared error of the layer's output when only that layer is quantized with
@@ -463,7 +466,17 @@ def local_errors(quantizers: dict[str, object], fp32_path, feeds: list[dict],
         probes[method] = probe_model(q, q.qdq(q.layers), fp32)
     names = list(dict.fromkeys(x for m, need, outs in probes.values() for x in (*need, *outs.values())))
     workers, threads = run_workers()  # feeds captured and probed a few at a time (tasks.onnxrt.ort.ordered_runs)
-    sessions = {method: ort_session(m.SerializeToString(), stage=STAGE, threads=threads)
+    # what one feed holds: its captured values and every method's probed outputs. Past HELD_BYTES (IS-Net at 1024x1024:
+    # GBs a feed), one feed at a time and one method's outputs at a time
+    from tasks.graph.footprint import _value_bytes
+
+    sizes = _value_bytes(fp32, {k: list(np.shape(v)) for k, v in feeds[0].items()}) if feeds else {}
+    held = sum(sizes.get(x, (0,))[0] for x in names) + sum(
+        sizes.get(o, (0,))[0] for _, _, outs in probes.values() for o in outs.values())
+    big = held > HELD_BYTES
+    if big:
+        workers = 1
+    sessions = {method: ort_session(m.SerializeToString(), stage=STAGE, threads=threads, arena=not big)
                 for method, (m, _, _) in probes.items()}
     num = {method: {} for method in probes}
     den: dict[str, float] = {}
@@ -474,8 +487,10 @@ def local_errors(quantizers: dict[str, object], fp32_path, feeds: list[dict],
 
     capture = _capturing_session(fp32, names, threads)  # one session for every feed (one each: ~0.5 s on PP-OCRv4 det)
 
-    def probed(feed: dict) -> tuple[dict, dict]:
+    def probed(feed: dict) -> tuple[dict, dict | None]:
         cap = capture(feed)
+        if big:  # probed one method at a time below
+            return cap, None
         return cap, {method: ort_run(sessions[method], {x: cap[x] for x in need}, stage=STAGE)
                      for method, (_, need, _) in probes.items()}
 
@@ -483,7 +498,8 @@ def local_errors(quantizers: dict[str, object], fp32_path, feeds: list[dict],
         norms: dict[str, float] = {}  # each fp32 output's squared norm, once per feed
         finite: dict[str, np.ndarray] = {}  # where an fp32 output holds NaN/inf: its finite places (judged alone)
         for method, (_, need, outs) in probes.items():
-            got = by_method.pop(method)
+            got = by_method.pop(method) if by_method is not None else \
+                ort_run(sessions[method], {x: cap[x] for x in need}, stage=STAGE)
             for layer, o in outs.items():
                 if o not in norms:
                     norms[o] = _square_sum(np.array(cap[o], dtype=np.float32))
@@ -521,7 +537,7 @@ def _capturing_session(model: onnx.ModelProto, names: list[str], threads: int = 
     inputs = {i.name for i in m.graph.input}
     have = {o.name for o in m.graph.output}
     m.graph.output.extend(onnx.ValueInfoProto(name=n) for n in names if n not in have and n not in inputs)
-    session = ort_session(m.SerializeToString(), stage=STAGE, threads=threads)
+    session = ort_session(m.SerializeToString(), stage=STAGE, threads=threads, arena=False)
     outs = [o.name for o in session.get_outputs()]
 
     def capture(feed: dict) -> dict:
