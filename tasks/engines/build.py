@@ -192,10 +192,10 @@ def engines_for_segments(segments: list[dict], graphs: dict[int, Path], stem: st
         if seg is None:
             raise
         raise SegmentBuildError(e.message, segment=seg, stage=e.stage, file=e.file, fix=e.fix) from e
-    wrong = label and label_disagreement(label, prof.metrics.get("flops_share"))
+    share = prof.metrics.get("flops_share")
+    wrong = label and label_disagreement(label, share)
     if wrong:
-        eight_bit = label in ("int8", "fp8") and not (prof.metrics.get("flops_share") or {}).get(label)  # its Q/DQ
-        # reach no layer TensorRT computes
+        eight_bit = label in ("int8", "fp8") and not (share or {}).get(label)  # its Q/DQ reach no TensorRT layer
         raise StageError(f"an engine named {label} would compute {wrong}", stage=stage,
                          fix=(f"build it at precision=fp16: none of its {label} layers is in a TensorRT part (a model "
                               "that arrives quantized dynamically runs those layers in ONNX Runtime; "

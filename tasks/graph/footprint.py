@@ -46,7 +46,7 @@ def largest_step(model: onnx.ModelProto, profiles: list[dict], inputs_at: dict[s
     best: Step | None = None
     for k, prof in enumerate(profiles or [{}]):
         shapes = {**(inputs_at or {}), **{n: list(r["max"]) for n, r in prof.items()}}
-        sizes = _value_bytes(model, shapes)
+        sizes = value_bytes(model, shapes)
         if not sizes:
             continue
         for node in model.graph.node:
@@ -58,7 +58,7 @@ def largest_step(model: onnx.ModelProto, profiles: list[dict], inputs_at: dict[s
     return best
 
 
-def _value_bytes(model: onnx.ModelProto, shapes: dict[str, list[int]]) -> dict[str, tuple[int, tuple]]:
+def value_bytes(model: onnx.ModelProto, shapes: dict[str, list[int]]) -> dict[str, tuple[int, tuple]]:
     """{value: (bytes, shape)} of every value whose dims shape inference knows with the inputs at ``shapes``
     (initializers, which are weights, left out)."""
     light = _light(model, shapes)

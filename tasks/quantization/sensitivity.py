@@ -21,6 +21,7 @@ from onnx import TensorProto, helper
 
 from tasks.accuracy.nonfinite import on_finite_reference
 from tasks.accuracy.metrics import cosine, pooled_cosine_of, pooled_estimate, pooled_sums
+from tasks.graph.footprint import value_bytes
 from tasks.onnxrt.ort import RunControl, ordered_runs, ort_run, ort_session, run_workers
 from tasks.search.judging import meets_target, output_norms
 
@@ -468,9 +469,7 @@ def local_errors(quantizers: dict[str, object], fp32_path, feeds: list[dict],
     workers, threads = run_workers()  # feeds captured and probed a few at a time (tasks.onnxrt.ort.ordered_runs)
     # what one feed holds: its captured values and every method's probed outputs. Past HELD_BYTES (IS-Net at 1024x1024:
     # GBs a feed), one feed at a time and one method's outputs at a time
-    from tasks.graph.footprint import _value_bytes
-
-    sizes = _value_bytes(fp32, {k: list(np.shape(v)) for k, v in feeds[0].items()}) if feeds else {}
+    sizes = value_bytes(fp32, {k: list(np.shape(v)) for k, v in feeds[0].items()}) if feeds else {}
     held = sum(sizes.get(x, (0,))[0] for x in names) + sum(
         sizes.get(o, (0,))[0] for _, _, outs in probes.values() for o in outs.values())
     big = held > HELD_BYTES
@@ -487,19 +486,18 @@ def local_errors(quantizers: dict[str, object], fp32_path, feeds: list[dict],
 
     capture = _capturing_session(fp32, names, threads)  # one session for every feed (one each: ~0.5 s on PP-OCRv4 det)
 
+    def probe(method: str, cap: dict) -> dict:
+        return ort_run(sessions[method], {x: cap[x] for x in probes[method][1]}, stage=STAGE)
+
     def probed(feed: dict) -> tuple[dict, dict | None]:
         cap = capture(feed)
-        if big:  # probed one method at a time below
-            return cap, None
-        return cap, {method: ort_run(sessions[method], {x: cap[x] for x in need}, stage=STAGE)
-                     for method, (_, need, _) in probes.items()}
+        return cap, None if big else {method: probe(method, cap) for method in probes}  # big: one method at a time
 
     for cap, by_method in ordered_runs(probed, feeds, workers):
         norms: dict[str, float] = {}  # each fp32 output's squared norm, once per feed
         finite: dict[str, np.ndarray] = {}  # where an fp32 output holds NaN/inf: its finite places (judged alone)
         for method, (_, need, outs) in probes.items():
-            got = by_method.pop(method) if by_method is not None else \
-                ort_run(sessions[method], {x: cap[x] for x in need}, stage=STAGE)
+            got = by_method.pop(method) if by_method is not None else probe(method, cap)
             for layer, o in outs.items():
                 if o not in norms:
                     norms[o] = _square_sum(np.array(cap[o], dtype=np.float32))
