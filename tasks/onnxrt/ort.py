@@ -77,18 +77,27 @@ def ort_run(session, feed: dict[str, np.ndarray], stage: str = "validate",
 
 
 RUN_WORKERS = 2  # runs of one session at once (ordered_runs)
+LARGE_RUN_BYTES = 3 << 29  # a run that holds (or computes) more values than this runs alone: IS-Net at 1024x1024
+# fetches 1.8 GiB of activations a feed for its ranges (two at a time, with the arenas that keep each run's peak: ~9 GB)
+# and computes 2.6 GiB of values a run; PP-OCRv5 det at 960x960 computes 1.2 GiB (0.07 GiB alive at once)
 
 
-def run_workers() -> tuple[int, int]:
+def runs_alone(held: int) -> bool:
+    """Whether a run that holds ``held`` bytes of values runs alone (on every core, its sessions without an arena)."""
+    return held > LARGE_RUN_BYTES
+
+
+def run_workers(held: int = 0) -> tuple[int, int]:
     """(runs at once, threads per run) for ``ordered_runs``: at most RUN_WORKERS runs (each holds its own
-    activations), the cores of this process shared between them."""
+    activations), the cores of this process shared between them; one run on every core when a run holds ``held``
+    bytes past LARGE_RUN_BYTES."""
     import os
 
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # pragma: no cover - not Linux
         cores = os.cpu_count() or 1
-    workers = max(1, min(RUN_WORKERS, cores))
+    workers = 1 if runs_alone(held) else max(1, min(RUN_WORKERS, cores))
     return workers, max(1, cores // workers)
 
 

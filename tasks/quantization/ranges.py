@@ -19,14 +19,15 @@ import contextlib
 import copy
 import hashlib
 import io
+import itertools
 import math
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
 from tasks.common.errors import StageError, cause
-from tasks.onnxrt.ort import ordered_runs, ort_session, run_workers
+from tasks.onnxrt.ort import ordered_runs, ort_session, run_workers, runs_alone
 from tasks.quantization.qdq import QUANT_OPS, RESIDUAL_OPS, quantized_activations
 from tasks.schema import CALIBRATION_METHODS
 
@@ -102,8 +103,7 @@ def _calibrate(model_path: Path, feeds, method: str, work: Path, on_sample=None)
                 cal.collector = _histogram_collector(cal, needed)
                 # the samples in order, run a few at a time while the last one's histograms are counted (ORT's
                 # collect_data runs one, then counts)
-                workers, threads = run_workers()
-                samples = ordered_runs(_calibration_run(cal, threads), feeds, workers)
+                samples = _calibration_samples(cal, feeds)
             else:  # ORT's ReduceMin/Max outputs: its own collect_data
                 samples = (cal.collect_data(_OneFeed(feed)) for feed in feeds)
             for i, sample in enumerate(samples):
@@ -124,12 +124,27 @@ def _calibrate(model_path: Path, feeds, method: str, work: Path, on_sample=None)
                          fix="check that the feeds match the model's inputs") from e
 
 
-def _calibration_run(cal, threads: int) -> Callable[[dict], dict]:
+def _calibration_samples(cal, feeds) -> Iterator[dict]:
+    """Each feed's values for the collector, in order: a few feeds at a time (``run_workers``), one at a time on every
+    core and without an arena when the first feed's values hold more than LARGE_RUN_BYTES."""
+    if not feeds:
+        return iter(())
+    workers, threads = run_workers()
+    run = _calibration_run(cal, threads)
+    first = run(feeds[0])
+    held = sum(np.asarray(v).nbytes for vs in first.values() for v in vs)
+    if runs_alone(held):
+        workers, threads = run_workers(held)
+        run = _calibration_run(cal, threads, arena=False)
+    return itertools.chain([first], ordered_runs(run, feeds[1:], workers))
+
+
+def _calibration_run(cal, threads: int, arena: bool = True) -> Callable[[dict], dict]:
     """feed -> {tensor: [its values]} of the tensors ``cal`` (ORT's HistogramCalibrater) calibrates, as its
     collect_data gives them to the collector: its augmented model without graph optimizations (as its own session
     runs it), on a session of ``threads`` threads that takes the place of its own."""
     session = cal.infer_session = ort_session(Path(cal.augmented_model_path), optimization="none", threads=threads,
-                                              stage=STAGE)
+                                              stage=STAGE, arena=arena)
     inputs = {i.name for i in session.get_inputs()}
     names = [o.name for o in session.get_outputs()]
     wanted = set(cal.tensors_to_calibrate)

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import threading
-from typing import Callable
 
 import numpy as np
 import onnx
@@ -22,7 +21,7 @@ from onnx import TensorProto, helper
 from tasks.accuracy.nonfinite import on_finite_reference
 from tasks.accuracy.metrics import cosine, pooled_cosine_of, pooled_estimate, pooled_sums
 from tasks.graph.footprint import value_bytes
-from tasks.onnxrt.ort import RunControl, ordered_runs, ort_run, ort_session, run_workers
+from tasks.onnxrt.ort import RunControl, ordered_runs, ort_run, ort_session, run_workers, runs_alone
 from tasks.search.judging import meets_target, output_norms
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
@@ -78,7 +77,9 @@ class Switchable:
         self.model = _switched_by_if(m, set(self.flags.values()))  # what the session runs
         # ``workers`` runs at once, on ``threads`` each (tasks.onnxrt.ort.ordered_runs); through the rest of a hybrid
         # model (other sessions, run for each output) one at a time on ONNX Runtime's threads
-        self.workers, threads = run_workers() if through is None else (1, 0)
+        # (one on every core where a run computes more than LARGE_RUN_BYTES of values: IS-Net at 1024x1024)
+        largest = max(feeds, key=lambda f: sum(np.size(v) for v in f.values())) if feeds else {}
+        self.workers, threads = run_workers(run_bytes(q.base, largest)) if through is None else (1, 0)
         self.session = ort_session(self.model.SerializeToString(), stage=STAGE, threads=threads, mem_pattern=False)
         self._count = threading.Lock()
         self._control = RunControl()  # the judgement's runs, by feed index: stopped when started ahead of a refusal
@@ -400,15 +401,27 @@ def _without_exact_rounding(m: onnx.ModelProto) -> onnx.ModelProto:
     return m
 
 
-def probe_model(q, full: onnx.ModelProto, fp32: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str], dict[str, str]]:
-    """The graph computing every layer's output from fp32 activations with only that layer quantized: the all-layers
-    graph's Q/DQ and layer nodes, each layer's other inputs (and its Q's inputs) read from graph inputs.
-    Returns (model, its input names, {layer: the fp32 output it approximates})."""
+def probe_parts(q, full: onnx.ModelProto, fp32: onnx.ModelProto, layers=None) -> tuple[list, list[str], dict[str, str]]:
+    """The nodes computing each of ``layers`` (default: all of ``q.layers``) from fp32 activations with only that layer
+    quantized: the layer nodes and the Q/DQ nodes that feed them in the all-layers graph ``full``, each layer's other
+    inputs (and its Q's inputs) read from graph inputs. Returns (nodes, their input names, {layer: the fp32 output it
+    approximates})."""
     g = full.graph
-    layers = set(q.layers)
-    keep = [n for n in g.node if n.op_type in QDQ_OPS or n.name in layers]
-    qdq_out = {o for n in keep if n.op_type in QDQ_OPS for o in n.output}
+    layers = set(q.layers if layers is None else layers)
+    made_by = {o: n for n in g.node if n.op_type in QDQ_OPS for o in n.output}
     inits = {t.name for t in g.initializer}
+    keep, seen = [], set()
+    todo = [n for n in g.node if n.name in layers]
+    while todo:  # the layers and the Q/DQ chains that feed them
+        n = todo.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        keep.append(n)
+        todo.extend(made_by[x] for x in n.input if x in made_by)
+    order = {id(n): k for k, n in enumerate(g.node)}
+    keep.sort(key=lambda n: order[id(n)])
+    qdq_out = {o for n in keep if n.op_type in QDQ_OPS for o in n.output}
     need: list[str] = []
     outputs: dict[str, str] = {}
     nodes = []
@@ -423,14 +436,29 @@ def probe_model(q, full: onnx.ModelProto, fp32: onnx.ModelProto) -> tuple[onnx.M
             c.output[0] = n.output[0] + "__quantized"
         nodes.append(c)
     need, outputs = _fp32_names(fp32, nodes, need, outputs)
-    m32 = onnx.shape_inference.infer_shapes(fp32)
-    vi = {v.name: v for v in (*m32.graph.value_info, *m32.graph.input, *m32.graph.output)}
-    inputs = [vi[x] if x in vi else helper.make_tensor_value_info(x, TensorProto.FLOAT, None) for x in need]
+    return nodes, need, outputs
+
+
+def probe_model(q, full: onnx.ModelProto, fp32: onnx.ModelProto, layers=None,
+                value_info: dict | None = None) -> tuple[onnx.ModelProto, list[str], dict[str, str]]:
+    """The graph of ``probe_parts`` (``layers``: default all): it computes every layer's output from fp32 activations
+    with only that layer quantized. ``value_info``: the fp32 model's values by name (shape inferred; default: inferred
+    here). Returns (model, its input names, {layer: the fp32 output it approximates})."""
+    nodes, need, outputs = probe_parts(q, full, fp32, layers)
+    if value_info is None:
+        value_info = fp32_value_info(fp32)
+    inputs = [value_info[x] if x in value_info else helper.make_tensor_value_info(x, TensorProto.FLOAT, None)
+              for x in need]
     graph = helper.make_graph(nodes, "probe", inputs, [onnx.ValueInfoProto(name=o + "__quantized")
-                                                      for o in outputs.values()], list(g.initializer))
+                                                      for o in outputs.values()], list(full.graph.initializer))
     m = helper.make_model(graph, opset_imports=full.opset_import)
     m.ir_version = full.ir_version
     return m, need, outputs
+
+
+def fp32_value_info(fp32: onnx.ModelProto) -> dict:
+    m32 = onnx.shape_inference.infer_shapes(fp32)
+    return {v.name: v for v in (*m32.graph.value_info, *m32.graph.input, *m32.graph.output)}
 
 
 def _fp32_names(fp32: onnx.ModelProto, nodes: list, need: list[str], outputs: dict[str, str]):
@@ -452,47 +480,138 @@ def _fp32_names(fp32: onnx.ModelProto, nodes: list, need: list[str], outputs: di
     return [back.get(x, x) for x in need], {k: back.get(v, v) for k, v in outputs.items()}
 
 
-HELD_BYTES = 1 << 30  # what one feed's local errors may hold before feeds and methods go one at a time
+HELD_BYTES = 4 << 30  # the values the local errors of a group of layers hold at once (one feed's captured values and
+# one method's probed outputs): more layers than fit go in groups, each captured again
 
 
 def local_errors(quantizers: dict[str, object], fp32_path, feeds: list[dict],
                  worst: bool = False) -> dict[str, dict[str, float]]:
     """{method: {layer: relative squared error of the layer's output when only that layer is quantized with
-    ``method``'s ranges}}, from one fp32 pass per feed. ``quantizers``: {method: Quantizer}. Pooled over ``feeds``, or
-    with ``worst`` the largest of any single feed: a range that clips suits most samples and fails the few whose
-    values reach past it (PP-OCRv4 det: pages in large type), which a pooled error hides."""
+    ``method``'s ranges}}, from one fp32 pass per feed (per feed and group of layers where their values would hold
+    more than HELD_BYTES). ``quantizers``: {method: Quantizer}. Pooled over ``feeds``, or with ``worst`` the largest of
+    any single feed: a range that clips suits most samples and fails the few whose values reach past it (PP-OCRv4
+    det: pages in large type), which a pooled error hides."""
     fp32 = onnx.load(str(fp32_path))
-    probes = {}
-    for method, q in quantizers.items():
-        probes[method] = probe_model(q, q.qdq(q.layers), fp32)
-    names = list(dict.fromkeys(x for m, need, outs in probes.values() for x in (*need, *outs.values())))
-    workers, threads = run_workers()  # feeds captured and probed a few at a time (tasks.onnxrt.ort.ordered_runs)
-    # what one feed holds: its captured values and every method's probed outputs. Past HELD_BYTES (IS-Net at 1024x1024:
-    # GBs a feed), one feed at a time and one method's outputs at a time
-    sizes = value_bytes(fp32, {k: list(np.shape(v)) for k, v in feeds[0].items()}) if feeds else {}
-    held = sum(sizes.get(x, (0,))[0] for x in names) + sum(
-        sizes.get(o, (0,))[0] for _, _, outs in probes.values() for o in outs.values())
-    big = held > HELD_BYTES
-    if big:
-        workers = 1
+    fulls = {method: q.qdq(q.layers) for method, q in quantizers.items()}
+    parts = {method: probe_parts(q, fulls[method], fp32) for method, q in quantizers.items()}
+    names = list(dict.fromkeys(x for _, need, outs in parts.values() for x in (*need, *outs.values())))
+    # what one feed holds: its captured values and every method's probed outputs, at the largest feed's shapes
+    largest = max(feeds, key=lambda f: sum(np.size(v) for v in f.values())) if feeds else {}
+    sizes, capture = _value_sizes(fp32, names, largest)
+    held = sum(sizes.get(x, 0) for x in names) + sum(
+        sizes.get(o, 0) for _, _, outs in parts.values() for o in outs.values())
+    # feeds captured and probed a few at a time (tasks.onnxrt.ort.ordered_runs); past LARGE_RUN_BYTES one at a time,
+    # one method's outputs at a time, sessions without an arena
+    big = runs_alone(held)
+    workers, threads = run_workers(held)
+    if capture is None or not big:  # (the sizing session is the one a feed at a time uses)
+        capture = _Capture(fp32, names, threads)  # one session for every feed (one each: ~0.5 s on PP-OCRv4 det)
+    layers = list(next(iter(quantizers.values())).layers) if quantizers else []
+    groups = _layer_groups(layers, parts, sizes, HELD_BYTES) if held > HELD_BYTES else [layers]
+    value_info = fp32_value_info(fp32)
+    num = {method: {} for method in quantizers}
+    den: dict[str, float] = {}
+    top = {method: {} for method in quantizers}
+    for group in groups:
+        probes = {method: probe_model(q, fulls[method], fp32, group, value_info) for method, q in quantizers.items()}
+        _accumulate(probes, capture, feeds, workers, threads, big, num, den, top)
+    if worst:
+        return top
+    return {method: {layer: _rel(v, den.get(layer, 0.0)) for layer, v in errs.items()} for method, errs in num.items()}
+
+
+def _value_sizes(fp32: onnx.ModelProto, names: list[str], feed: dict) -> tuple[dict[str, int], "_Capture | None"]:
+    """({name: bytes} of the fp32 model's values ``names`` at ``feed``'s shapes, the session that measured them): from
+    shape inference where it knows them all (None), else from a run fetching their shapes, on every core and without
+    an arena (IS-Net: inference knows 14 of its 578 values)."""
+    known = value_bytes(fp32, {k: list(np.shape(v)) for k, v in feed.items()})
+    if all(x in known for x in names):
+        return {x: known[x][0] for x in names}, None
+    capture = _Capture(fp32, names, 0)
+    return capture.sizes(feed), capture
+
+
+_RUN_BYTES: dict = {}  # (id of a graph, its node count, its feed's shapes) -> its run's bytes (a graph is not held:
+# an id reused by another graph of as many nodes at the same shapes only changes how many runs go at once)
+
+
+def run_bytes(model: onnx.ModelProto, feed: dict) -> int:
+    """The bytes of every value a run of ``model`` computes at ``feed``'s shapes (more than one run holds at once:
+    ONNX Runtime frees a value after its last reader), 0 where they cannot be measured; memoised per graph and
+    shapes (a search makes several sessions of one graph)."""
+    key = (id(model), len(model.graph.node), tuple(sorted((k, tuple(np.shape(v))) for k, v in feed.items())))
+    if key not in _RUN_BYTES:
+        names = list(dict.fromkeys([*(i.name for i in model.graph.input), *(o for n in model.graph.node
+                                                                            for o in n.output if o)]))
+        try:
+            sizes, _ = _value_sizes(model, names, feed)
+        except Exception:  # noqa: BLE001 - a value Shape cannot take (a sequence): not known, runs as any other
+            sizes = {}
+        while len(_RUN_BYTES) >= 16:
+            _RUN_BYTES.pop(next(iter(_RUN_BYTES)))
+        _RUN_BYTES[key] = sum(sizes.values())
+    return _RUN_BYTES[key]
+
+
+def _rel(v: float, d: float) -> float:
+    return v / d if d else (0.0 if v == 0 else float("inf"))
+
+
+def _layer_groups(layers: list[str], parts: dict, sizes: dict[str, int], limit: int) -> list[list[str]]:
+    """``layers`` in runs (graph order) whose values (each layer's fp32 inputs and output, and one method's probed
+    output) hold at most ``limit`` bytes together; a layer larger than that alone."""
+    reads: dict[str, set[str]] = {n: set() for n in layers}  # each layer's captured values
+    for nodes, need, outs in parts.values():
+        made, needs = {o: c for c in nodes for o in c.output}, set(need)
+        for layer, o in outs.items():
+            reads.setdefault(layer, set()).add(o)
+            todo, seen = [made[o + "__quantized"]], set()
+            while todo:  # the layer's node and the Q/DQ chains feeding it, back to the values they read
+                c = todo.pop()
+                if id(c) in seen:
+                    continue
+                seen.add(id(c))
+                for x in c.input:
+                    if x in needs:
+                        reads[layer].add(x)
+                    elif x in made:
+                        todo.append(made[x])
+    out_of = {layer: o for _, _, outs in parts.values() for layer, o in outs.items()}
+    groups: list[list[str]] = []
+    held: set[str] = set()
+    used = 0
+    def cost(values: set[str], n: str) -> int:  # the values, and the layer's probed output beside them
+        return sum(sizes.get(x, 0) for x in values) + sizes.get(out_of.get(n), 0)
+
+    for n in layers:
+        mine = reads.get(n, set())
+        if groups and used + cost(mine - held, n) <= limit:
+            groups[-1].append(n)
+            used += cost(mine - held, n)
+            held |= mine
+        else:
+            groups.append([n])
+            held, used = set(mine), cost(mine, n)
+    return groups
+
+
+def _accumulate(probes: dict, capture, feeds: list[dict], workers: int, threads: int, big: bool,
+                num: dict, den: dict, top: dict) -> None:
+    """Each probed layer's squared error (``num``, ``top``: the worst feed's share) and its fp32 output's squared norm
+    (``den``) over ``feeds``, from ``probes`` ({method: probe_model(...)}): its fp32 values captured once per feed,
+    every method's outputs at once (``big``: one at a time, sessions without an arena)."""
     sessions = {method: ort_session(m.SerializeToString(), stage=STAGE, threads=threads, arena=not big)
                 for method, (m, _, _) in probes.items()}
-    num = {method: {} for method in probes}
-    den: dict[str, float] = {}
-    top = {method: {} for method in probes}
-
-    def rel(v: float, d: float) -> float:
-        return v / d if d else (0.0 if v == 0 else float("inf"))
-
-    capture = _capturing_session(fp32, names, threads)  # one session for every feed (one each: ~0.5 s on PP-OCRv4 det)
+    names = list(dict.fromkeys(x for _, need, outs in probes.values() for x in (*need, *outs.values())))
 
     def probe(method: str, cap: dict) -> dict:
         return ort_run(sessions[method], {x: cap[x] for x in probes[method][1]}, stage=STAGE)
 
     def probed(feed: dict) -> tuple[dict, dict | None]:
-        cap = capture(feed)
-        return cap, None if big else {method: probe(method, cap) for method in probes}  # big: one method at a time
+        cap = capture(feed, names)
+        return cap, None if big else {method: probe(method, cap) for method in probes}
 
+    first = next(iter(probes))
     for cap, by_method in ordered_runs(probed, feeds, workers):
         norms: dict[str, float] = {}  # each fp32 output's squared norm, once per feed
         finite: dict[str, np.ndarray] = {}  # where an fp32 output holds NaN/inf: its finite places (judged alone)
@@ -510,13 +629,10 @@ def local_errors(quantizers: dict[str, object], fp32_path, feeds: list[dict],
                     quantized, exact = quantized[finite[o]], exact[finite[o]]
                 e = _square_sum(np.subtract(quantized, exact, dtype=np.float32))
                 num[method][layer] = num[method].get(layer, 0.0) + e
-                top[method][layer] = max(top[method].get(layer, 0.0), rel(e, r))
-                if method == next(iter(probes)):
+                top[method][layer] = max(top[method].get(layer, 0.0), _rel(e, r))
+                if method == first:
                     den[layer] = den.get(layer, 0.0) + r
             del got
-    if worst:
-        return top
-    return {method: {layer: rel(v, den.get(layer, 0.0)) for layer, v in errs.items()} for method, errs in num.items()}
 
 
 def _square_sum(x: np.ndarray) -> float:
@@ -527,19 +643,39 @@ def _square_sum(x: np.ndarray) -> float:
     return float(x.sum(dtype=np.float64))
 
 
-def _capturing_session(model: onnx.ModelProto, names: list[str], threads: int = 0) -> Callable[[dict], dict]:
-    """feed -> {name: array} of the fp32 model's tensors ``names`` (graph inputs included), from one session (of
-    ``threads`` threads; 0: ONNX Runtime's default)."""
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    inputs = {i.name for i in m.graph.input}
-    have = {o.name for o in m.graph.output}
-    m.graph.output.extend(onnx.ValueInfoProto(name=n) for n in names if n not in have and n not in inputs)
-    session = ort_session(m.SerializeToString(), stage=STAGE, threads=threads, arena=False)
-    outs = [o.name for o in session.get_outputs()]
+_ITEMSIZE = {"tensor(double)": 8, "tensor(int64)": 8, "tensor(uint64)": 8, "tensor(float16)": 2,
+             "tensor(bfloat16)": 2, "tensor(int16)": 2, "tensor(uint16)": 2, "tensor(int8)": 1, "tensor(uint8)": 1,
+             "tensor(bool)": 1}  # others 4 bytes an element
 
-    def capture(feed: dict) -> dict:
-        env = dict(zip(outs, session.run(outs, feed)))
+
+class _Capture:
+    """feed -> {name: array} of the fp32 model's values ``names`` (graph inputs included), all of them or a group of
+    them (fetching fewer holds less: the rest is freed as the run goes), from one session of ``threads`` threads (0:
+    ONNX Runtime's default) without an arena; and their sizes at a feed's shapes (``sizes``), from a run that
+    fetches only their shapes."""
+
+    def __init__(self, model: onnx.ModelProto, names: list[str], threads: int = 0):
+        m = onnx.ModelProto()
+        m.CopyFrom(model)
+        self.inputs = {i.name for i in m.graph.input}
+        have = {o.name for o in m.graph.output}
+        m.graph.output.extend(onnx.ValueInfoProto(name=n) for n in names if n not in have and n not in self.inputs)
+        self.shape_of = {n: f"{n}__trtforge_shape" for n in names if n not in self.inputs}
+        m.graph.node.extend(helper.make_node("Shape", [n], [s], name=s) for n, s in self.shape_of.items())
+        m.graph.output.extend(onnx.ValueInfoProto(name=s) for s in self.shape_of.values())
+        self.session = ort_session(m.SerializeToString(), stage=STAGE, threads=threads, arena=False)
+        self.types = {o.name: o.type for o in self.session.get_outputs()}
+        self.names = names
+
+    def __call__(self, feed: dict, names: list[str] | None = None) -> dict:
+        want = [n for n in (names or self.names) if n in self.shape_of]
+        env = dict(zip(want, self.session.run(want, feed)))
         env.update(feed)
-        return {n: env[n] for n in names if n in env}
-    return capture
+        return {n: env[n] for n in (names or self.names) if n in env}
+
+    def sizes(self, feed: dict) -> dict[str, int]:
+        """{name: bytes} of the values at ``feed``'s shapes."""
+        shapes = dict(zip(self.shape_of, self.session.run(list(self.shape_of.values()), feed)))
+        out = {n: int(np.prod(s, dtype=np.int64)) * _ITEMSIZE.get(self.types.get(n), 4) for n, s in shapes.items()}
+        out.update({n: int(np.asarray(v).nbytes) for n, v in feed.items() if n in self.names})
+        return out

@@ -98,3 +98,29 @@ def test_entropy_ranges_are_the_reference_loops(det_path, tmp_path):
         made.append((h, np.linspace(0, rng.uniform(0.1, 50), n + 1).astype(np.float32)))
     for hist, edges in real + made:
         assert float(_entropy_range((hist, edges))[1]) == _entropy_amax_loop(hist, edges)
+
+
+def test_feeds_whose_values_are_large_are_run_one_at_a_time_with_the_same_ranges(tmp_path, monkeypatch):
+    """A feed whose calibrated values hold more than LARGE_RUN_BYTES (IS-Net at 1024x1024: 1.8 GiB) runs alone, on
+    every core, without an arena: the histograms and ranges are those of feeds run two at a time."""
+    import tasks.onnxrt.ort as ort
+    import tasks.quantization.ranges as ranges
+
+    path = _two_convs(tmp_path / "m.onnx")
+    rng = np.random.default_rng(2)
+    feeds = [{"x": (rng.standard_normal((1, 3, 8, 8)) * s).astype(np.float32)} for s in (1.0, 3.0, 0.5, 2.0)]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    together, _ = ranges_from_feeds(path, feeds, "entropy", tmp_path / "a")
+    ran = []
+    made = ranges._calibration_run
+    monkeypatch.setattr(ranges, "_calibration_run", lambda cal, threads, arena=True: ran.append(arena) or made(
+        cal, threads, arena))
+    monkeypatch.setattr(ort, "LARGE_RUN_BYTES", 0)
+    monkeypatch.setattr(ranges, "_RANGES_MEMO", {})
+    alone, _ = ranges_from_feeds(path, feeds, "entropy", tmp_path / "b")
+    assert ran == [True, False]  # the first feed measured, the rest on a session without an arena
+    assert set(alone.data) == set(together.data)
+    for name, td in together.data.items():
+        assert np.array_equal(alone.data[name].range_value, td.range_value), name
+        assert np.array_equal(alone.data[name].hist, td.hist), name

@@ -173,12 +173,67 @@ def test_a_quantized_value_that_is_also_a_graph_output_is_probed_and_searched(tm
     for name in ("y", "t"):
         assert np.corrcoef(got[name].ravel(), want[name].ravel())[0, 1] > 0.999, name
     # a feed too large to hold with every method's outputs (IS-Net at 1024x1024): one feed and one method at a time,
-    # the same local errors
+    # each layer in a group of its own, the same local errors
+    import tasks.onnxrt.ort as ort
     import tasks.quantization.sensitivity as sensitivity
 
     monkeypatch.setattr(sensitivity, "HELD_BYTES", 0)
+    monkeypatch.setattr(ort, "LARGE_RUN_BYTES", 0)
     again = qdq_from_onnx(tmp_path / "m.onnx", feeds[:6], tmp_path / "q2.onnx", min_cosine=0.99985,
                           eval_feeds=feeds[6:], workdir=tmp_path / "work2")
     for row in again.details["sensitivity"]:
         for method, err in row["local_errors"].items():
             assert err == pytest.approx(rows[row["node"]]["local_errors"][method], rel=1e-6), (row["node"], method)
+
+
+def test_captured_values_are_sized_before_they_are_held_and_fetched_by_group(tmp_path):
+    """The local errors size a feed's values from a run that fetches only their shapes (shape inference does not know
+    IS-Net's), and capture a group of them alone: the same arrays as capturing all."""
+    from tasks.quantization.sensitivity import _Capture
+
+    path = _model(tmp_path / "m.onnx")
+    m = onnx.load(str(path))
+    names = ["x", *(n.output[0] for n in m.graph.node)]
+    feed = {"x": np.random.default_rng(0).standard_normal((1, 3, 12, 12)).astype(np.float32)}
+    capture = _Capture(m, names)
+    every = capture(feed)
+    assert capture.sizes(feed) == {n: every[n].nbytes for n in names}
+    assert set(every) == set(names)
+    group = names[1:3]
+    part = capture(feed, group)
+    assert set(part) == set(group) and all(np.array_equal(part[n], every[n]) for n in group)
+
+
+def test_layers_are_grouped_so_that_each_group_holds_at_most_the_limit():
+    """Past HELD_BYTES the layers go in graph-ordered groups whose captured values and probed output fit the limit; a
+    value two layers read counts once; a layer larger than the limit goes alone."""
+    from tasks.quantization.sensitivity import _layer_groups
+
+    q = helper.make_node("QuantizeLinear", ["a", "s", "z"], ["aq"], name="qa")
+    dq = helper.make_node("DequantizeLinear", ["aq", "s", "z"], ["adq"], name="dqa")
+    l1 = helper.make_node("Conv", ["adq", "w1"], ["b__quantized"], name="c1")
+    l2 = helper.make_node("Conv", ["adq", "w2"], ["c__quantized"], name="c2")
+    qb = helper.make_node("QuantizeLinear", ["c", "s", "z"], ["cq"], name="qc")
+    dqb = helper.make_node("DequantizeLinear", ["cq", "s", "z"], ["cdq"], name="dqc")
+    l3 = helper.make_node("Conv", ["cdq", "w3"], ["d__quantized"], name="c3")
+    parts = {"entropy": ([q, dq, l1, l2, qb, dqb, l3], ["a", "c"], {"c1": "b", "c2": "c", "c3": "d"})}
+    sizes = {"a": 100, "b": 10, "c": 10, "d": 500}
+    # c1: a + b + b's probe = 120; c2 shares a: c + c's probe = 20 more; c3 reads c (held) and d twice: 1000
+    assert _layer_groups(["c1", "c2", "c3"], parts, sizes, 140) == [["c1", "c2"], ["c3"]]
+    # a new group captures again what the last one held: c2 alone is a + c + c's probe
+    assert _layer_groups(["c1", "c2", "c3"], parts, sizes, 130) == [["c1"], ["c2"], ["c3"]]
+    assert _layer_groups(["c1", "c2", "c3"], parts, sizes, 10_000) == [["c1", "c2", "c3"]]
+
+
+def test_a_runs_bytes_are_those_of_every_value_it_computes(tmp_path):
+    """run_bytes (the search runs its samples one at a time past LARGE_RUN_BYTES): the bytes of the inputs and every
+    node's output at a feed's shapes, as a run gives them; shape inference and a run fetching shapes agree."""
+    from tasks.quantization.sensitivity import _Capture, _value_sizes, run_bytes
+
+    m = onnx.load(str(_model(tmp_path / "m.onnx")))
+    feed = {"x": np.ones((1, 3, 12, 12), np.float32)}
+    names = ["x", *(n.output[0] for n in m.graph.node)]
+    every = _Capture(m, names)(feed)
+    assert run_bytes(m, feed) == sum(a.nbytes for a in every.values()) > feed["x"].nbytes
+    inferred, session = _value_sizes(m, names, feed)
+    assert session is None and inferred == _Capture(m, names).sizes(feed)
