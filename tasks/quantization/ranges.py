@@ -19,7 +19,6 @@ import contextlib
 import copy
 import hashlib
 import io
-import itertools
 import math
 from pathlib import Path
 from typing import Callable, Iterator
@@ -27,6 +26,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from tasks.common.errors import StageError, cause
+from tasks.common.memory import release_freed_memory
 from tasks.onnxrt.ort import ordered_runs, ort_session, run_workers, runs_alone
 from tasks.quantization.qdq import QUANT_OPS, RESIDUAL_OPS, quantized_activations
 from tasks.schema import CALIBRATION_METHODS
@@ -109,6 +109,7 @@ def _calibrate(model_path: Path, feeds, method: str, work: Path, on_sample=None)
             for i, sample in enumerate(samples):
                 if sample is not None:
                     cal.collector.collect(sample)
+                del sample  # not held while the next feed runs
                 if on_sample is not None:
                     on_sample(i + 1, len(feeds))
             if cm == CalibrationMethod.Percentile:  # KL search / percentile only where Q/DQ can go (ORT also
@@ -126,17 +127,25 @@ def _calibrate(model_path: Path, feeds, method: str, work: Path, on_sample=None)
 
 def _calibration_samples(cal, feeds) -> Iterator[dict]:
     """Each feed's values for the collector, in order: a few feeds at a time (``run_workers``), one at a time on every
-    core and without an arena when the first feed's values hold more than LARGE_RUN_BYTES."""
+    core, without an arena and with the freed memory given back after each, when the first feed's values hold more than
+    LARGE_RUN_BYTES (IS-Net at 1024x1024: 1.8 GiB a feed)."""
     if not feeds:
-        return iter(())
+        return
     workers, threads = run_workers()
     run = _calibration_run(cal, threads)
-    first = run(feeds[0])
-    held = sum(np.asarray(v).nbytes for vs in first.values() for v in vs)
-    if runs_alone(held):
+    sample = run(feeds[0])
+    held = sum(np.asarray(v).nbytes for vs in sample.values() for v in vs)
+    alone = runs_alone(held)
+    if alone:
         workers, threads = run_workers(held)
         run = _calibration_run(cal, threads, arena=False)
-    return itertools.chain([first], ordered_runs(run, feeds[1:], workers))
+    yield sample
+    del sample  # not held while the next feeds run
+    for sample in ordered_runs(run, feeds[1:], workers):
+        yield sample
+        del sample
+        if alone:
+            release_freed_memory()
 
 
 def _calibration_run(cal, threads: int, arena: bool = True) -> Callable[[dict], dict]:

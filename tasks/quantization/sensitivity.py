@@ -20,6 +20,7 @@ from onnx import TensorProto, helper
 
 from tasks.accuracy.nonfinite import on_finite_reference
 from tasks.accuracy.metrics import cosine, pooled_cosine_of, pooled_estimate, pooled_sums
+from tasks.common.memory import release_freed_memory
 from tasks.graph.footprint import value_bytes
 from tasks.onnxrt.ort import RunControl, ordered_runs, ort_run, ort_session, run_workers, runs_alone
 from tasks.search.judging import meets_target, output_norms
@@ -633,6 +634,9 @@ def _accumulate(probes: dict, capture, feeds: list[dict], workers: int, threads:
                 if method == first:
                     den[layer] = den.get(layer, 0.0) + r
             del got
+        del cap, by_method  # not held while the next feed is captured
+        if big:
+            release_freed_memory()
 
 
 def _square_sum(x: np.ndarray) -> float:
