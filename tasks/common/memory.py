@@ -272,7 +272,8 @@ class MemoryWatch:
     @contextlib.contextmanager
     def stage(self, name: str):
         """Measure stage ``name`` (its peak in stage_peaks) and stop it with MemoryBudgetError when it passes the
-        budget."""
+        budget. It starts with the memory earlier stages freed given back to the host."""
+        release_freed_memory()
         _reset_own_hwm()
         with self._lock:
             self._current, self._stage_peak, self._breach, self._stop_sent = (name, threading.get_ident()), 0, None, None
