@@ -498,15 +498,13 @@ def local_errors(quantizers: dict[str, object], fp32_path, feeds: list[dict],
     names = list(dict.fromkeys(x for _, need, outs in parts.values() for x in (*need, *outs.values())))
     # what one feed holds: its captured values and every method's probed outputs, at the largest feed's shapes
     largest = max(feeds, key=lambda f: sum(np.size(v) for v in f.values())) if feeds else {}
-    sizes, capture = _value_sizes(fp32, names, largest)
+    sizes = _value_sizes(fp32, names, largest)
     held = sum(sizes.get(x, 0) for x in names) + sum(
         sizes.get(o, 0) for _, _, outs in parts.values() for o in outs.values())
     # feeds captured and probed a few at a time (tasks.onnxrt.ort.ordered_runs); past LARGE_RUN_BYTES one at a time,
     # one method's outputs at a time, sessions without an arena
     big = runs_alone(held)
     workers, threads = run_workers(held)
-    if capture is None or not big:  # (the sizing session is the one a feed at a time uses)
-        capture = _Capture(fp32, names, threads)  # one session for every feed (one each: ~0.5 s on PP-OCRv4 det)
     layers = list(next(iter(quantizers.values())).layers) if quantizers else []
     groups = _layer_groups(layers, parts, sizes, HELD_BYTES) if held > HELD_BYTES else [layers]
     value_info = fp32_value_info(fp32)
@@ -515,21 +513,23 @@ def local_errors(quantizers: dict[str, object], fp32_path, feeds: list[dict],
     top = {method: {} for method in quantizers}
     for group in groups:
         probes = {method: probe_model(q, fulls[method], fp32, group, value_info) for method, q in quantizers.items()}
+        captured = list(dict.fromkeys(x for _, need, outs in probes.values() for x in (*need, *outs.values())))
+        # one capture session for every feed (one each: ~0.5 s on PP-OCRv4 det), of the group's values alone
+        capture = _Capture(fp32, captured, threads)
         _accumulate(probes, capture, feeds, workers, threads, big, num, den, top)
+        del capture
     if worst:
         return top
     return {method: {layer: _rel(v, den.get(layer, 0.0)) for layer, v in errs.items()} for method, errs in num.items()}
 
 
-def _value_sizes(fp32: onnx.ModelProto, names: list[str], feed: dict) -> tuple[dict[str, int], "_Capture | None"]:
-    """({name: bytes} of the fp32 model's values ``names`` at ``feed``'s shapes, the session that measured them): from
-    shape inference where it knows them all (None), else from a run fetching their shapes, on every core and without
-    an arena (IS-Net: inference knows 14 of its 578 values)."""
+def _value_sizes(fp32: onnx.ModelProto, names: list[str], feed: dict) -> dict[str, int]:
+    """{name: bytes} of the fp32 model's values ``names`` at ``feed``'s shapes: from shape inference where it knows
+    them all, else measured by a run (``_measured_sizes``; IS-Net: inference knows 14 of its 578 values)."""
     known = value_bytes(fp32, {k: list(np.shape(v)) for k, v in feed.items()})
     if all(x in known for x in names):
-        return {x: known[x][0] for x in names}, None
-    capture = _Capture(fp32, names, 0)
-    return capture.sizes(feed), capture
+        return {x: known[x][0] for x in names}
+    return _measured_sizes(fp32, names, feed)
 
 
 _RUN_BYTES: dict = {}  # (id of a graph, its node count, its feed's shapes) -> its run's bytes (a graph is not held:
@@ -545,7 +545,7 @@ def run_bytes(model: onnx.ModelProto, feed: dict) -> int:
         names = list(dict.fromkeys([*(i.name for i in model.graph.input), *(o for n in model.graph.node
                                                                             for o in n.output if o)]))
         try:
-            sizes, _ = _value_sizes(model, names, feed)
+            sizes = _value_sizes(model, names, feed)
         except Exception:  # noqa: BLE001 - a value Shape cannot take (a sequence): not known, runs as any other
             sizes = {}
         while len(_RUN_BYTES) >= 16:
@@ -603,13 +603,12 @@ def _accumulate(probes: dict, capture, feeds: list[dict], workers: int, threads:
     every method's outputs at once (``big``: one at a time, sessions without an arena)."""
     sessions = {method: ort_session(m.SerializeToString(), stage=STAGE, threads=threads, arena=not big)
                 for method, (m, _, _) in probes.items()}
-    names = list(dict.fromkeys(x for _, need, outs in probes.values() for x in (*need, *outs.values())))
 
     def probe(method: str, cap: dict) -> dict:
         return ort_run(sessions[method], {x: cap[x] for x in probes[method][1]}, stage=STAGE)
 
     def probed(feed: dict) -> tuple[dict, dict | None]:
-        cap = capture(feed, names)
+        cap = capture(feed)
         return cap, None if big else {method: probe(method, cap) for method in probes}
 
     first = next(iter(probes))
@@ -647,39 +646,60 @@ def _square_sum(x: np.ndarray) -> float:
     return float(x.sum(dtype=np.float64))
 
 
-_ITEMSIZE = {"tensor(double)": 8, "tensor(int64)": 8, "tensor(uint64)": 8, "tensor(float16)": 2,
-             "tensor(bfloat16)": 2, "tensor(int16)": 2, "tensor(uint16)": 2, "tensor(int8)": 1, "tensor(uint8)": 1,
-             "tensor(bool)": 1}  # others 4 bytes an element
-
-
 class _Capture:
-    """feed -> {name: array} of the fp32 model's values ``names`` (graph inputs included), all of them or a group of
-    them (fetching fewer holds less: the rest is freed as the run goes), from one session of ``threads`` threads (0:
-    ONNX Runtime's default) without an arena; and their sizes at a feed's shapes (``sizes``), from a run that
-    fetches only their shapes."""
+    """feed -> {name: array} of the fp32 model's values ``names`` (graph inputs included), from one session of
+    ``threads`` threads (0: ONNX Runtime's default) without an arena. Each of ``names`` is a graph output of its
+    session, and ONNX Runtime holds every graph output to the end of a run, fetched or not: a group of values is
+    captured by a session of its own."""
 
     def __init__(self, model: onnx.ModelProto, names: list[str], threads: int = 0):
         m = onnx.ModelProto()
         m.CopyFrom(model)
-        self.inputs = {i.name for i in m.graph.input}
+        inputs = {i.name for i in m.graph.input}
         have = {o.name for o in m.graph.output}
-        m.graph.output.extend(onnx.ValueInfoProto(name=n) for n in names if n not in have and n not in self.inputs)
-        self.shape_of = {n: f"{n}__trtforge_shape" for n in names if n not in self.inputs}
-        m.graph.node.extend(helper.make_node("Shape", [n], [s], name=s) for n, s in self.shape_of.items())
-        m.graph.output.extend(onnx.ValueInfoProto(name=s) for s in self.shape_of.values())
+        m.graph.output.extend(onnx.ValueInfoProto(name=n) for n in names if n not in have and n not in inputs)
         self.session = ort_session(m.SerializeToString(), stage=STAGE, threads=threads, arena=False)
-        self.types = {o.name: o.type for o in self.session.get_outputs()}
+        self.fetch = [n for n in names if n not in inputs]
         self.names = names
 
-    def __call__(self, feed: dict, names: list[str] | None = None) -> dict:
-        want = [n for n in (names or self.names) if n in self.shape_of]
-        env = dict(zip(want, self.session.run(want, feed)))
+    def __call__(self, feed: dict) -> dict:
+        env = dict(zip(self.fetch, self.session.run(self.fetch, feed)))
         env.update(feed)
-        return {n: env[n] for n in (names or self.names) if n in env}
+        return {n: env[n] for n in self.names if n in env}
 
-    def sizes(self, feed: dict) -> dict[str, int]:
-        """{name: bytes} of the values at ``feed``'s shapes."""
-        shapes = dict(zip(self.shape_of, self.session.run(list(self.shape_of.values()), feed)))
-        out = {n: int(np.prod(s, dtype=np.int64)) * _ITEMSIZE.get(self.types.get(n), 4) for n, s in shapes.items()}
-        out.update({n: int(np.asarray(v).nbytes) for n, v in feed.items() if n in self.names})
-        return out
+
+def _measured_sizes(model: onnx.ModelProto, names: list[str], feed: dict) -> dict[str, int]:
+    """{name: bytes} of ``model``'s values ``names`` at ``feed``'s shapes, from one run of a session whose outputs are
+    only their shapes (no value is held past its last reader) on every core without an arena; an element of a type
+    shape inference does not name counts 4 bytes."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    inputs = {i.name for i in m.graph.input}
+    del m.graph.output[:]
+    shape_of = {n: f"{n}__trtforge_shape" for n in names if n not in inputs}
+    m.graph.node.extend(helper.make_node("Shape", [n], [s], name=s) for n, s in shape_of.items())
+    m.graph.output.extend(helper.make_tensor_value_info(s, TensorProto.INT64, None) for s in shape_of.values())
+    session = ort_session(m.SerializeToString(), stage=STAGE, arena=False)
+    shapes = dict(zip(shape_of, session.run(list(shape_of.values()), {k: v for k, v in feed.items() if k in inputs})))
+    types = _elem_types(model)
+    out = {n: int(np.prod(s, dtype=np.int64)) * _itemsize(types.get(n)) for n, s in shapes.items()}
+    out.update({n: int(np.asarray(v).nbytes) for n, v in feed.items() if n in names})
+    return out
+
+
+def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
+    """{value: ONNX element type} where shape inference knows it."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # noqa: BLE001 - nothing inferred: every element counts 4 bytes
+        return {}
+    return {v.name: v.type.tensor_type.elem_type for v in (*inferred.graph.input, *inferred.graph.value_info,
+                                                           *inferred.graph.output)
+            if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type}
+
+
+def _itemsize(elem_type: int | None) -> int:
+    try:
+        return np.dtype(helper.tensor_dtype_to_np_dtype(elem_type)).itemsize if elem_type else 4
+    except Exception:  # noqa: BLE001 - a type numpy has no size for (strings)
+        return 4

@@ -186,21 +186,20 @@ def test_a_quantized_value_that_is_also_a_graph_output_is_probed_and_searched(tm
             assert err == pytest.approx(rows[row["node"]]["local_errors"][method], rel=1e-6), (row["node"], method)
 
 
-def test_captured_values_are_sized_before_they_are_held_and_fetched_by_group(tmp_path):
-    """The local errors size a feed's values from a run that fetches only their shapes (shape inference does not know
-    IS-Net's), and capture a group of them alone: the same arrays as capturing all."""
-    from tasks.quantization.sensitivity import _Capture
+def test_captured_values_are_sized_before_they_are_held_and_captured_by_group(tmp_path):
+    """The local errors size a feed's values from a run whose outputs are only their shapes (shape inference does not
+    know IS-Net's), and capture a group of them by a session of its own: the same arrays as capturing all."""
+    from tasks.quantization.sensitivity import _Capture, _measured_sizes
 
     path = _model(tmp_path / "m.onnx")
     m = onnx.load(str(path))
     names = ["x", *(n.output[0] for n in m.graph.node)]
     feed = {"x": np.random.default_rng(0).standard_normal((1, 3, 12, 12)).astype(np.float32)}
-    capture = _Capture(m, names)
-    every = capture(feed)
-    assert capture.sizes(feed) == {n: every[n].nbytes for n in names}
+    every = _Capture(m, names)(feed)
     assert set(every) == set(names)
+    assert _measured_sizes(m, names, feed) == {n: every[n].nbytes for n in names}
     group = names[1:3]
-    part = capture(feed, group)
+    part = _Capture(m, group)(feed)
     assert set(part) == set(group) and all(np.array_equal(part[n], every[n]) for n in group)
 
 
@@ -228,12 +227,11 @@ def test_layers_are_grouped_so_that_each_group_holds_at_most_the_limit():
 def test_a_runs_bytes_are_those_of_every_value_it_computes(tmp_path):
     """run_bytes (the search runs its samples one at a time past LARGE_RUN_BYTES): the bytes of the inputs and every
     node's output at a feed's shapes, as a run gives them; shape inference and a run fetching shapes agree."""
-    from tasks.quantization.sensitivity import _Capture, _value_sizes, run_bytes
+    from tasks.quantization.sensitivity import _Capture, _measured_sizes, _value_sizes, run_bytes
 
     m = onnx.load(str(_model(tmp_path / "m.onnx")))
     feed = {"x": np.ones((1, 3, 12, 12), np.float32)}
     names = ["x", *(n.output[0] for n in m.graph.node)]
     every = _Capture(m, names)(feed)
     assert run_bytes(m, feed) == sum(a.nbytes for a in every.values()) > feed["x"].nbytes
-    inferred, session = _value_sizes(m, names, feed)
-    assert session is None and inferred == _Capture(m, names).sizes(feed)
+    assert _value_sizes(m, names, feed) == _measured_sizes(m, names, feed)  # inferred here, measured alike
