@@ -27,7 +27,8 @@ measures it on this host; "n/m" where the graph is the reference itself, fp32 on
 size (its ONNX and external data, MB), the build's peak resident memory (summary.json metrics.peak_rss_mib, MiB: the
 build process and its children; in a sweep the process also holds what earlier builds left), the lower bound of
 it the build was checked against its budget with before any stage (summary.json memory.estimate_mib: estimated, not
-measured), and the reason of any failure (first line of the error).  `--json PATH` writes the rows.  Known failures and their owners:
+measured), and the reason of any failure (first line of the error).  `--json PATH` writes the rows (with each stage's
+peak, `stage_peak_rss_mib`).  Known failures and their owners:
 benchmarks/zoo/KNOWN.md.
 """
 from __future__ import annotations
@@ -494,6 +495,9 @@ def build_models(names: list[str], precisions: list[str], target: str, tmp: Path
             row.update({k: m[k] for k in SEARCH_KEYS if k in m})  # int8/fp8: the search's figure beside validation's
             if (summary["stages"].get("calibrate") or {}).get("seconds") is not None:
                 row["calibrate_seconds"] = summary["stages"]["calibrate"]["seconds"]
+            # each stage's peak (measured), in the JSON rows: where a build's memory goes
+            row["stage_peak_rss_mib"] = {st: e["peak_rss_mib"] for st, e in summary["stages"].items()
+                                         if isinstance(e, dict) and e.get("peak_rss_mib") is not None} or None
             # the shipped engines' numbers (an int8/fp8 summary keeps its fp16 baseline's under baseline_*)
             row["build_seconds"] = m.get("build_seconds")
             row["engine_bytes"] = m.get("engine_bytes")

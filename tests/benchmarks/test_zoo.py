@@ -22,6 +22,9 @@ def test_small_zoo_models_build_at_fp16_within_the_accuracy_budget(tmp_path):
     for r in built:
         assert r["status"] == "ok", (r, proc.stdout[-3000:])
         assert r["cosine_min"] >= 0.99 and r["engines"] >= 1 and r["engine_bytes"] > 0, r
+        # each stage's measured peak, none above the build's
+        assert {"export", "build", "validate"} <= set(r["stage_peak_rss_mib"]), r
+        assert all(0 < v <= r["peak_rss_mib"] for v in r["stage_peak_rss_mib"].values()), r
     assert "| model | precision | status |" in proc.stdout
     assert proc.returncode == 0
 
