@@ -155,7 +155,7 @@ def _ratios() -> str:
 def release_freed_memory() -> None:
     """Give the memory freed so far back to the host (glibc's malloc_trim; nothing elsewhere): values of tens of MiB
     freed by numpy and ONNX Runtime stay in malloc's heaps otherwise, and a stage that runs large feeds one after
-    another grows by them (IS-Net's ranges at 1024x1024: +2.8 GiB over 8 feeds)."""
+    another grows by them."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
