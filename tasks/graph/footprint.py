@@ -83,6 +83,18 @@ def value_bytes(model: onnx.ModelProto, shapes: dict[str, list[int]]) -> dict[st
     return out
 
 
+def elem_types(model: onnx.ModelProto) -> dict[str, int]:
+    """{value: ONNX element type} of every value whose type shape inference knows (read on the graph without its
+    weights' values: no copy of them)."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(_light(model, {}))
+    except Exception:  # noqa: BLE001 - a graph ONNX cannot infer: no type known
+        return {}
+    return {v.name: v.type.tensor_type.elem_type for v in (*inferred.graph.input, *inferred.graph.value_info,
+                                                           *inferred.graph.output)
+            if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type}
+
+
 def _light(model: onnx.ModelProto, shapes: dict[str, list[int]]) -> onnx.ModelProto:
     """``model`` for shape inference: the inputs at ``shapes``, large initializers without their values (their dims and
     type are all inference needs; small ones keep theirs, for the shapes they hold)."""

@@ -21,7 +21,7 @@ from onnx import TensorProto, helper
 from tasks.accuracy.nonfinite import on_finite_reference
 from tasks.accuracy.metrics import cosine, pooled_cosine_of, pooled_estimate, pooled_sums
 from tasks.common.memory import release_freed_memory
-from tasks.graph.footprint import value_bytes
+from tasks.graph.footprint import elem_types, value_bytes
 from tasks.onnxrt.ort import RunControl, ordered_runs, ort_run, ort_session, run_workers, runs_alone
 from tasks.search.judging import meets_target, output_norms
 
@@ -681,21 +681,10 @@ def _measured_sizes(model: onnx.ModelProto, names: list[str], feed: dict) -> dic
     m.graph.output.extend(helper.make_tensor_value_info(s, TensorProto.INT64, None) for s in shape_of.values())
     session = ort_session(m.SerializeToString(), stage=STAGE, arena=False)
     shapes = dict(zip(shape_of, session.run(list(shape_of.values()), {k: v for k, v in feed.items() if k in inputs})))
-    types = _elem_types(model)
+    types = elem_types(model)
     out = {n: int(np.prod(s, dtype=np.int64)) * _itemsize(types.get(n)) for n, s in shapes.items()}
     out.update({n: int(np.asarray(v).nbytes) for n, v in feed.items() if n in names})
     return out
-
-
-def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
-    """{value: ONNX element type} where shape inference knows it."""
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model)
-    except Exception:  # noqa: BLE001 - nothing inferred: every element counts 4 bytes
-        return {}
-    return {v.name: v.type.tensor_type.elem_type for v in (*inferred.graph.input, *inferred.graph.value_info,
-                                                           *inferred.graph.output)
-            if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type}
 
 
 def _itemsize(elem_type: int | None) -> int:
