@@ -511,8 +511,10 @@ def local_errors(quantizers: dict[str, object], fp32_path, feeds: list[dict],
     num = {method: {} for method in quantizers}
     den: dict[str, float] = {}
     top = {method: {} for method in quantizers}
-    for group in groups:
+    for k, group in enumerate(groups):
         probes = {method: probe_model(q, fulls[method], fp32, group, value_info) for method, q in quantizers.items()}
+        if k == len(groups) - 1:
+            fulls.clear()  # each a copy of the model's weights, as is each probe: not held while the feeds run
         captured = list(dict.fromkeys(x for _, need, outs in probes.values() for x in (*need, *outs.values())))
         # one capture session for every feed (one each: ~0.5 s on PP-OCRv4 det), of the group's values alone
         capture = _Capture(fp32, captured, threads)
