@@ -75,12 +75,20 @@ def value_bytes(model: onnx.ModelProto, shapes: dict[str, list[int]]) -> dict[st
         dims = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim] if tt.HasField("shape") else None
         if dims is None or any(d is None or d < 0 for d in dims) or tt.elem_type == 0:
             continue
-        try:
-            item = np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type)).itemsize
-        except Exception:  # noqa: BLE001 - a type numpy has no size for (strings): not counted
+        item = itemsize(tt.elem_type)
+        if item is None:  # strings: not counted
             continue
         out[v.name] = (int(np.prod(dims, dtype=np.int64)) * item, tuple(dims))
     return out
+
+
+def itemsize(elem_type: int | None) -> int | None:
+    """Bytes of one element of ONNX type ``elem_type``; None where it is unknown or numpy has no size for it
+    (strings)."""
+    try:
+        return np.dtype(helper.tensor_dtype_to_np_dtype(elem_type)).itemsize if elem_type else None
+    except Exception:  # noqa: BLE001 - a type numpy has no size for
+        return None
 
 
 def elem_types(model: onnx.ModelProto) -> dict[str, int]:

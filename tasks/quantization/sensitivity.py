@@ -21,7 +21,7 @@ from onnx import TensorProto, helper
 from tasks.accuracy.nonfinite import on_finite_reference
 from tasks.accuracy.metrics import cosine, pooled_cosine_of, pooled_estimate, pooled_sums
 from tasks.common.memory import release_freed_memory
-from tasks.graph.footprint import elem_types, value_bytes
+from tasks.graph.footprint import elem_types, itemsize, value_bytes
 from tasks.onnxrt.ort import RunControl, ordered_runs, ort_run, ort_session, run_workers, runs_alone
 from tasks.search.judging import meets_target, output_norms
 
@@ -684,13 +684,6 @@ def _measured_sizes(model: onnx.ModelProto, names: list[str], feed: dict) -> dic
     session = ort_session(m.SerializeToString(), stage=STAGE, arena=False)
     shapes = dict(zip(shape_of, session.run(list(shape_of.values()), {k: v for k, v in feed.items() if k in inputs})))
     types = elem_types(model)
-    out = {n: int(np.prod(s, dtype=np.int64)) * _itemsize(types.get(n)) for n, s in shapes.items()}
+    out = {n: int(np.prod(s, dtype=np.int64)) * (itemsize(types.get(n)) or 4) for n, s in shapes.items()}
     out.update({n: int(np.asarray(v).nbytes) for n, v in feed.items() if n in names})
     return out
-
-
-def _itemsize(elem_type: int | None) -> int:
-    try:
-        return np.dtype(helper.tensor_dtype_to_np_dtype(elem_type)).itemsize if elem_type else 4
-    except Exception:  # noqa: BLE001 - a type numpy has no size for (strings)
-        return 4
