@@ -25,11 +25,7 @@ from tasks.search.judging import JUDGE_Z, Judged
 from tasks.search.restore import restore_search
 
 RANK_FEEDS = 8  # calibration samples the local errors (range choice, report) are measured on
-HARM_FEEDS = 1  # calibration samples the refinement's screen is measured on by another metric than cosine
-SCREEN_FEEDS = 3  # judged calibration samples the refinement's screen predicts each candidate's judged bound from:
-# on PP-OCRv4 and v5 det (24 pages, 12 / 6 / 6), the bound drops predicted from 3 of them track the judged ones far
-# better than one page's lowest cosine did (v5 det: 0.00039, 0.00113 judged; 0.00062, 0.00185 predicted; one page
-# -0.00002, 0.00004), so the greedy runs of candidates miss less
+HARM_FEEDS = 1  # calibration samples each layer's restore gain (the search's ranking) is measured on
 WRITTEN_RTOL = 1e-5  # of an output's largest |value|: the written graph and the scorer's switchable graph agree
 Feed = dict[str, np.ndarray]
 
@@ -192,25 +188,15 @@ def restore_layers(s: SearchState, local: dict, rank_feeds: list[Feed], flops: d
             met.append(scorer.last[2])
         return ok
 
-    screened = ["screened on one sample"]
-
     def screen(base: list[str], candidates: list[str]) -> dict[str, float]:
-        # the loss of quantizing each alone on top of base: the judged bound's drop predicted from the calibration
-        # feeds of the judged set the base errs most on (the held-out ones only judge); another metric than cosine:
-        # its lowest cosine on one calibration page. The runs two at a time
-        if s.pooled:
-            n, held = len(s.judge_feeds), len(s.eval_feeds)
-            drops, used = scorer.screened_drops(base, candidates, list(range(held, n) if n > held else range(n)),
-                                                SCREEN_FEEDS)
-            screened[0] = f"predicted from {used} calibration sample{'s' * (used > 1)} of the judged set"
-            return drops
+        # the loss of quantizing each alone on top of base, same page; the runs two at a time
         at, *each = (min(c) for c in scorer.cosines_each([base, *([*base, n] for n in candidates)],
                                                          rank_feeds[:HARM_FEEDS], rank_refs))
         return {n: at - c for n, c in zip(candidates, each)}
 
     why: dict[str, str] = {}
     s.chosen, _ = restore_search(layers, meets, harm, flops, screen=screen,
-                                 slack=lambda: met[-1] - goal if met else None, why=why, screened=lambda: screened[0])
+                                 slack=lambda: met[-1] - goal if met else None, why=why)
     s.sensitivity = [{"node": n, "op": s.q.ops.get(n), "flops": flops.get(n),
                       **({"kept_because": why[n]} if n in why else {})} for n in layers]
     return local, harm

@@ -23,7 +23,7 @@ from tasks.accuracy.metrics import cosine, pooled_cosine_of, pooled_estimate, po
 from tasks.common.memory import release_freed_memory
 from tasks.graph.footprint import elem_types, itemsize, value_bytes
 from tasks.onnxrt.ort import RunControl, ordered_runs, ort_run, ort_session, run_workers, runs_alone
-from tasks.search.judging import meets_target, orthogonal_error, output_norms
+from tasks.search.judging import meets_target, output_norms
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 STAGE = "calibrate"
@@ -118,38 +118,6 @@ class Switchable:
         per = [min(cosine(got[k], refs[i][k]) for k in refs[i])
                for got, i in ((on_finite_reference(o, refs[k]), k) for o, (_, k) in zip(outs, pairs))]
         return [per[j * len(feeds):(j + 1) * len(feeds)] for j in range(len(subsets))]
-
-    def screened_drops(self, base, candidates: list[str], among: list[int], count: int) -> tuple[dict[str, float], int]:
-        """Each candidate's predicted drop of the judged bound (cosine less ``z`` standard errors, as ``meets``
-        judges) when it is quantized on top of ``base``, from ``count`` of the judged feeds ``among`` (indices): those
-        on which ``base`` errs most, the candidate's pooled sums put in place of the base's there (the rest of the
-        feeds as the base's), the drop scaled up by the share of the base's error those feeds carry. Returns (the
-        drops, the feeds used). The base's sums on every judged feed are those its judgement kept (run here where
-        not); each candidate's sums are kept for its own judgement. Pooled cosine only (``judge`` None)."""
-        on, n = frozenset(base), len(self.judged_feeds)
-        known = self._sums.setdefault(on, {})
-        missing = [k for k in range(n) if k not in known]
-        for k, out in zip(missing, ordered_runs(lambda k: self._out(set(on), k), missing, self.workers)):
-            known[k] = pooled_sums(self.judged_refs[k], out)
-        err = {k: sum(orthogonal_error(v) / (self._norms[o] or 1.0) for o, v in known[k].items()) for k in range(n)}
-        picked = sorted(among, key=lambda k: -err[k])[:max(count, 1)]
-        share = sum(err[k] for k in picked) / (sum(err.values()) or 1.0)
-        bound = pooled_estimate([known[k] for k in range(n)], self.z)[2]
-        pairs = [(c, k) for c in candidates for k in picked]
-        got = dict(zip(pairs, ordered_runs(lambda p: self._out(set(on) | {p[0]}, p[1]), pairs, self.workers)))
-        drops = {}
-        for c in candidates:
-            sums = self._sums.setdefault(on | {c}, {})
-            for k in picked:
-                sums[k] = pooled_sums(self.judged_refs[k], got[(c, k)])
-            mixed = [sums[k] if k in picked else known[k] for k in range(n)]
-            drops[c] = (bound - pooled_estimate(mixed, self.z)[2]) / (share or 1.0)
-        return drops, len(picked)
-
-    def _out(self, on: set, k: int) -> dict:
-        """What is judged of judged feed ``k`` with ``on`` quantized (``meets``' run, without its stop control)."""
-        out = self._run(on, self.feeds[k])
-        return on_finite_reference(out if self.through is None else self.through(k, out), self.judged_refs[k])
 
     def outputs(self, names) -> list[dict]:
         """Per search feed, what is judged with exactly ``names`` quantized: the graph's outputs, or through the rest of

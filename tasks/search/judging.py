@@ -67,21 +67,16 @@ def _meets(outs, feeds, refs, target, miss, norms, z, judge, sums_of, known, ord
         for k, v in s.items():
             part[k] += v
         worst = 0.0
-        for k, v in part.items():  # on the feeds so far: a lower bound of the whole set's
-            worst = max(worst, orthogonal_error(v) / norms[k] if norms[k] > 0 else 0.0)
-        mine = {k: orthogonal_error(v) / (norms[k] or 1.0) for k, v in s.items()}
+        for k, (dot, na2, nb2) in part.items():
+            # min over a scale c of |a - c b|^2 on the feeds so far: a lower bound of the whole set's
+            err = na2 - dot * dot / nb2 if nb2 > 0 else na2
+            worst = max(worst, err / norms[k] if norms[k] > 0 else 0.0)
+        mine = {k: (v[1] - v[0] * v[0] / v[2] if v[2] > 0 else v[1]) / (norms[k] or 1.0) for k, v in s.items()}
         miss[i] = max(miss.get(i, 0.0), max(mine.values(), default=0.0))
         if worst > allowed:
             return False, None
     last = pooled_estimate(sums, z)
     return last[2] >= target, last
-
-
-def orthogonal_error(sums) -> float:
-    """min over a scale c of |a - c b|^2 from ``pooled_sums``' (a.b, a.a, b.b): the candidate's error orthogonal to
-    the reference, of one feed or summed over feeds."""
-    dot, na2, nb2 = sums
-    return na2 - dot * dot / nb2 if nb2 > 0 else na2
 
 
 def output_norms(refs: list[dict]) -> dict[str, float]:

@@ -42,8 +42,7 @@ def restore_search(layers: list[str], meets: Callable[[list[str]], bool], harm: 
                    refine_share: float = 0.005,
                    screen: Callable[[list[str], list[str]], dict[str, float]] | None = None,
                    slack: Callable[[], float | None] | None = None,
-                   judgements: int = REFINE_JUDGEMENTS, why: dict[str, str] | None = None,
-                   screened: Callable[[], str] | None = None) -> tuple[list[str], int]:
+                   judgements: int = REFINE_JUDGEMENTS, why: dict[str, str] | None = None) -> tuple[list[str], int]:
     """The layers to quantize, searched from every layer quantized towards fewer: layers are restored to the high
     precision in order of ``harm`` (the accuracy a layer costs, measured or estimated) per FLOP kept out of the
     quantized type, most harmful first; the shortest restored prefix whose complement ``meets`` the budget is found by
@@ -54,13 +53,12 @@ def restore_search(layers: list[str], meets: Callable[[list[str]], bool], harm: 
 
     Without ``screen`` each of them is judged back one by one (one whole judgement each: PP-OCRv4 det, 24 pages,
     24 judgements of 14 pages, two thirds of the search's runs). With ``screen`` (quantized layers, candidates ->
-    {candidate: the accuracy lost by quantizing it alone on top of them}, on the scale of ``slack``, measured
-    cheaply: a few runs of one sample each) the candidates are re-ranked by that loss per FLOP in the configuration the
-    binary search found, and the greedy pass over that order judges runs of candidates together
-    (``_take_back_screened``), spending at most
+    {candidate: the accuracy lost by quantizing it alone on top of them}, measured cheaply: one run of one sample
+    each) the candidates are re-ranked by that loss per FLOP in the configuration the binary search found, and the
+    greedy pass over that order judges runs of candidates together (``_take_back_screened``), spending at most
     ``judgements`` of them. Every layer taken back is confirmed by a whole judgement, so the budget holds as without
     the screen; fewer judgements decide. ``why``, if given, gets each layer left restored with the reason in words
-    (the report's "why kept"); ``screened()`` says there how the screen measured."""
+    (the report's "why kept")."""
     flops = flops or {}
     why = why if why is not None else {}
     order = sorted(layers, key=lambda n: -harm.get(n, 0.0) / max(flops.get(n) or 1.0, 1.0))
@@ -92,8 +90,7 @@ def restore_search(layers: list[str], meets: Callable[[list[str]], bool], harm: 
             else:
                 why[n] = "tried back alone on top of the layers quantized: the target was missed"
         return [n for n in layers if n not in restored], judge.runs
-    restored = _take_back_screened(layers, restored, big, judge, screen, flops, slack, judgements, why,
-                                   screened or (lambda: "screened"))
+    restored = _take_back_screened(layers, restored, big, judge, screen, flops, slack, judgements, why)
     return [n for n in layers if n not in restored], judge.runs
 
 
@@ -111,7 +108,7 @@ class _Judge:
 def _take_back_screened(layers: list[str], restored: set[str], big: list[str], judge: _Judge,
                         screen: Callable[[list[str], list[str]], dict[str, float]], flops: dict[str, float],
                         slack: Callable[[], float | None] | None, judgements: int,
-                        why: dict[str, str], screened: Callable[[], str]) -> set[str]:
+                        why: dict[str, str]) -> set[str]:
     """``restored`` less the candidates ``big`` taken back, re-ranked by their screened loss per FLOP on top of the
     layers quantized, judged in runs whose losses add up to ``slack()``, at most ``judgements`` judgements."""
     loss = screen([n for n in layers if n not in restored], big)
@@ -130,8 +127,8 @@ def _take_back_screened(layers: list[str], restored: set[str], big: list[str], j
             # the margin fell to 2e-5, 18 s)
             for n in cand[i:]:
                 if loss.get(n, 0.0) > SKIP_LOSS * left:
-                    why[n] = (f"its loss quantized on top of the layers quantized ({loss[n]:.2g}, {screened()}) is "
-                              f"more than {SKIP_LOSS:g}x the margin left ({left:.2g}): not judged back")
+                    why[n] = (f"its loss quantized on top of the layers quantized ({loss[n]:.2g}, screened on one "
+                              f"sample) is more than {SKIP_LOSS:g}x the margin left ({left:.2g}): not judged back")
             cand[i:] = [n for n in cand[i:] if loss.get(n, 0.0) <= SKIP_LOSS * left]
             if i >= len(cand):
                 break

@@ -137,44 +137,6 @@ def test_the_screen_runs_several_subsets_at_once_with_the_figures_of_each_alone(
     assert together[1] != together[2]  # each subset its own runs
 
 
-def test_the_screen_predicts_the_judged_bound_and_its_runs_count_for_the_judgement(tmp_path):
-    """Switchable.screened_drops (the refinement's screen): screened on every feed, a candidate's predicted drop is the
-    drop of the bound its judgement gives (the same statistic); on fewer feeds, those the base errs most on among
-    those allowed, and the candidate's judgement then runs only the others."""
-    from tasks.accuracy.metrics import pooled_sums
-    from tasks.quantization.sensitivity import Switchable
-    from tasks.search.judging import orthogonal_error
-
-    path = _model(tmp_path / "m.onnx")
-    rng = np.random.default_rng(4)
-    feeds = [{"x": rng.standard_normal((1, 3, 12, 12)).astype(np.float32) * s} for s in (1.0, 3.0, 0.5, 2.0, 1.5, 0.8)]
-    ranges, _ = ranges_from_feeds(path, feeds[:2], "minmax", tmp_path)  # feeds 2..5 go past the calibrated ranges
-    q = Quantizer(path, ranges, "int8", "fp32")
-    run = ort_runner(path)
-    refs = [run(f) for f in feeds]
-    base, cands = q.layers[:1], q.layers[1:]
-    judged = Switchable(q, feeds, refs)
-    at = judged.estimate(base)[2]
-    truth = {c: at - judged.estimate([*base, c])[2] for c in cands}
-    assert all(d > 1e-6 for d in truth.values())  # each candidate costs something
-
-    s = Switchable(q, feeds, refs)
-    drops, used = s.screened_drops(base, cands, list(range(len(feeds))), len(feeds))
-    assert used == len(feeds) and drops == pytest.approx(truth, rel=1e-9, abs=1e-12)
-
-    s = Switchable(q, feeds, refs)
-    among = [1, 3, 4, 5]  # e.g. the calibration feeds of the judged set
-    drops, used = s.screened_drops(base, cands, among, 2)
-    outs = judged.outputs(base)
-    errs = {k: sum(orthogonal_error(v) for v in pooled_sums(refs[k], outs[k]).values()) for k in among}  # its share
-    picked = sorted(among, key=lambda k: -errs[k])[:2]
-    assert used == 2 and sorted(s._sums[frozenset([*base, cands[0]])]) == sorted(picked)
-    runs = s.runs
-    assert s.meets([*base, cands[0]], -1.0)  # met: every feed counted, the screened ones not run again
-    assert s.runs - runs == len(feeds) - 2
-    assert s.last[2] == pytest.approx(at - truth[cands[0]], rel=1e-9, abs=1e-12)
-
-
 def test_a_quantized_value_that_is_also_a_graph_output_is_probed_and_searched(tmp_path, monkeypatch):
     """A segment whose boundary value is also a quantized layer's input (a LayerNorm output that leaves the segment and
     feeds a MatMul in it, as in CAUSTIC PaiNN): ONNX Runtime's quantizer renames the value's producer output to
