@@ -78,10 +78,13 @@ class Switchable:
         self.model = _switched_by_if(m, set(self.flags.values()))  # what the session runs
         # ``workers`` runs at once, on ``threads`` each (tasks.onnxrt.ort.ordered_runs); through the rest of a hybrid
         # model (other sessions, run for each output) one at a time on ONNX Runtime's threads
-        # (one on every core where a run computes more than LARGE_RUN_BYTES of values: IS-Net at 1024x1024)
+        # (one on every core where a run computes more than LARGE_RUN_BYTES of values: IS-Net at 1024x1024), and then
+        # without an arena, which would keep the largest run's values while the search's other session runs
         largest = max(feeds, key=lambda f: sum(np.size(v) for v in f.values())) if feeds else {}
-        self.workers, threads = run_workers(run_bytes(q.base, largest)) if through is None else (1, 0)
-        self.session = ort_session(self.model.SerializeToString(), stage=STAGE, threads=threads, mem_pattern=False)
+        held = run_bytes(q.base, largest)
+        self.workers, threads = run_workers(held) if through is None else (1, 0)
+        self.session = ort_session(self.model.SerializeToString(), stage=STAGE, threads=threads, mem_pattern=False,
+                                   arena=not runs_alone(held))
         self._count = threading.Lock()
         self._control = RunControl()  # the judgement's runs, by feed index: stopped when started ahead of a refusal
         self.feeds, self.refs, self.z = feeds, refs, z
