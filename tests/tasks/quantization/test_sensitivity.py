@@ -117,6 +117,28 @@ def test_a_subset_judged_again_runs_only_the_feeds_it_has_not_run(tmp_path):
     assert not s.meets(q.layers, figure[2] + 1e-6) and s.runs == len(feeds)  # judged again: nothing left to run
 
 
+def test_a_switchable_session_of_large_runs_runs_alone_without_an_arena(tmp_path, monkeypatch):
+    """Past LARGE_RUN_BYTES (IS-Net at 1024x1024) the search's session runs one feed at a time on every core and
+    without an arena (an idle session would keep its largest run's values while the ranges' other session runs):
+    the same figures as the default session, which keeps its arena and runs two at a time."""
+    import tasks.onnxrt.ort as ort
+    from tasks.quantization.sensitivity import Switchable
+
+    path = _model(tmp_path / "m.onnx")
+    rng = np.random.default_rng(5)
+    feeds = [{"x": rng.standard_normal((1, 3, 12, 12)).astype(np.float32) * s} for s in (1.0, 3.0, 0.5)]
+    ranges, _ = ranges_from_feeds(path, feeds, "minmax", tmp_path)
+    q = Quantizer(path, ranges, "int8", "fp32")
+    run = ort_runner(path)
+    refs = [run(f) for f in feeds]
+    small = Switchable(q, feeds, refs)
+    assert small.session.get_session_options().enable_cpu_mem_arena
+    monkeypatch.setattr(ort, "LARGE_RUN_BYTES", 0)
+    large = Switchable(q, feeds, refs)
+    assert not large.session.get_session_options().enable_cpu_mem_arena and large.workers == 1
+    assert large.estimate(q.layers) == small.estimate(q.layers)
+
+
 def test_the_screen_runs_several_subsets_at_once_with_the_figures_of_each_alone(tmp_path):
     """Switchable.cosines_each (the search's screen: one run per candidate on one page) runs the subsets' runs two at
     a time and gives each subset's cosines as cosines() of it alone; the subsets differ."""
