@@ -240,7 +240,7 @@ def _calibrate(ctx: BuildContext) -> StageResult:
     segs, plan, model = trt_segments(ctx), ctx.results["partition"].details, ctx.results["export"].files["onnx"]
     # the margin from the held-out and judged samples (tasks.accuracy.budget.judged_samples), the candidates the search
     # may judge and validation's samples (tasks/accuracy/budget.py), unless calibration.budget_margin is given
-    judged = judged_samples(held.distinct if held else 0, cal.distinct)
+    judged = judged_samples(held.distinct if held else 0, cal.distinct, len(held.feeds) if held else 0)
     from tasks.quantization.qdq import QUANT_OPS
     margin = margin_of(ctx, segs, held.distinct if held else 0, judged, QUANT_OPS) if c.search else None
     goal = search_goal(ctx, segs, judged, margin=margin) if c.search else None

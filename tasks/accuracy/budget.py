@@ -22,7 +22,10 @@ from math import sqrt
 from statistics import NormalDist
 
 MARGIN_SAMPLES = 8  # held-out samples at which calibration.budget_margin applies as given
-JUDGE_CALIBRATION = 8  # calibration feeds judged beside the held-out ones
+JUDGE_CALIBRATION = 8  # calibration feeds judged beside the held-out ones, where fewer than HELD_ALONE are held out
+# held-out samples that judge the search alone: from 6 (5 degrees of freedom) the t quantile the margin allows for levels
+# off (for 5% over 22 candidates: 12.1 at 2 samples, 7.3 at 3, 5.6 at 4, 4.8 at 5, 4.4 at 6, 3.9 at 9)
+HELD_ALONE = 6
 
 SEARCH_ALPHA = 0.05  # the chance, over all the candidates one search judges, that the kept graph's figure is too high
 VALIDATE_ALPHA = 0.05  # the chance that validate's own samples alone put a graph that meets the budget below it
@@ -67,7 +70,19 @@ def search_target(budget: float, margin: float, samples: int | None = None) -> f
     return min(1.0, budget + (1.0 - budget) * min(margin, 1.0))
 
 
-def judged_samples(held_out: int, calibration: int) -> int:
-    """How many samples judge the search (tasks/quantization/calibrate.py): the held-out ones and up to ``JUDGE_CALIBRATION`` of the
-    calibration samples; the calibration samples alone when none are held out."""
-    return held_out + min(calibration, JUDGE_CALIBRATION) if held_out else calibration
+def calibration_judged(held_out: int) -> int | None:
+    """How many calibration samples (feeds) judge the search beside ``held_out`` held-out feeds: none from ``HELD_ALONE``
+    held out (the calibration samples chose the ranges and drove the screening: in-sample, they flatter the pooled figure
+    and are no evidence for the rule above), up to ``JUDGE_CALIBRATION`` below (a standard error of so few samples alone
+    is too unsteady to judge by), all of them (None) when none are held out."""
+    if not held_out:
+        return None
+    return 0 if held_out >= HELD_ALONE else JUDGE_CALIBRATION
+
+
+def judged_samples(held_out: int, calibration: int, held_feeds: int | None = None) -> int:
+    """How many samples judge the search (tasks/quantization/calibrate.py ``judge_feeds_of``): the ``held_out`` ones and
+    ``calibration_judged`` of the calibration samples (decided on ``held_feeds``, the held-out feeds, as the search
+    picks them; default: one sample each); the calibration samples alone when none are held out."""
+    extra = calibration_judged(held_out if held_feeds is None else held_feeds)
+    return calibration if extra is None else held_out + min(calibration, extra)

@@ -8,10 +8,10 @@ ONNX Runtime against the fp32 outputs on the search's held-out samples, choosing
 over the accuracy-budget search (tasks/search/restore.py). Here: the stage that runs them in order, and the result.
 
 A candidate is judged by the statistic validate gates on, the pooled cosine (``tasks.accuracy.metrics.pooled_estimate``), less
-``JUDGE_Z`` standard errors of it over the judged samples: the held-out samples and up to ``JUDGE_CALIBRATION`` of the
-calibration samples (their ranges came from histograms of all of them: a weak in-sample tie, against the strong one of
-a search that picks among candidates on a few samples: PP-OCRv4 det judged on the worst of 8 held-out pages met 0.9925
-and validated 0.9899 on 17 others, whose pages spread from 0.95 to 0.996).
+``JUDGE_Z`` standard errors of it over the judged samples: the held-out samples, alone from ``HELD_ALONE`` of them, below
+that with up to ``JUDGE_CALIBRATION`` of the calibration samples, whose standard error steadies the figure of a few
+held-out ones (tasks.accuracy.budget.calibration_judged). In-sample, the calibration samples flatter it: on PP-OCRv6
+det they carry 14% of the chosen graph's error for 8 of 19 judged pages.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from tasks.quantization.qdq import Quantizer
 from tasks.quantization.ranges import DEFAULT_METHOD, STAGE, save_ranges
 from tasks.search.judging import JUDGE_Z
 from tasks.search.restore import combined_search_metrics
-from tasks.accuracy.budget import JUDGE_CALIBRATION
+from tasks.accuracy.budget import HELD_ALONE, JUDGE_CALIBRATION, calibration_judged
 from tasks.common.util import StageResult
 
 Feed = dict[str, np.ndarray]
@@ -277,9 +277,11 @@ def _stage_result(s: SearchState, files: dict, reused: bool, prep_info: dict, ke
 
 
 def judge_feeds_of(feeds: list, eval_feeds: list | None) -> list:
-    """The feeds that judge the search, in order: the held-out ones and up to ``JUDGE_CALIBRATION`` calibration feeds,
-    or the calibration feeds themselves when none are held out (for a segment's feeds and the model's alike)."""
-    return list(eval_feeds) + list(feeds[:JUDGE_CALIBRATION]) if eval_feeds else list(feeds)
+    """The feeds that judge the search, in order: the held-out ones alone from ``HELD_ALONE`` samples, below that with
+    up to ``JUDGE_CALIBRATION`` calibration feeds, or the calibration feeds themselves when none are held out (for a
+    segment's feeds and the model's alike; tasks.accuracy.budget.calibration_judged)."""
+    extra = calibration_judged(len(eval_feeds) if eval_feeds else 0)
+    return list(feeds) if extra is None else list(eval_feeds) + list(feeds[:extra])
 
 
 def qdq_for_segments(segments: list[dict], feeds_for: Callable[[int], list[Feed]],
@@ -372,7 +374,8 @@ def search_fix(search: dict, validate_samples: int, budget_margin: float | None,
             f"{JUDGE_Z:g} standard error: {search['search_cosine_bound']:.6f}) on {search.get('search_samples')} "
             f"samples, validation measured {validate_samples} other samples: the search's samples did not represent "
             f"them. Give more calibration samples (calibration.data: a quarter of them, up to 8, are held out for the "
-            f"search, and up to {JUDGE_CALIBRATION} of the rest judge it too) or raise calibration.budget_margin (now "
+            f"search; below {HELD_ALONE} held out, up to {JUDGE_CALIBRATION} of the rest judge it too) or raise "
+            f"calibration.budget_margin (now "
             f"{_margin_words(search, budget_margin)}) so that the search keeps more layers in higher precision")
 
 
