@@ -3,8 +3,8 @@
 samples judge it), and how many samples judge it.
 
 The rule the search's figure follows (docs/accuracy.md, "The search's rule"): the graph the search keeps is the last of
-about K judged candidates to meet its target on n held-out samples (the calibration samples judged beside them chose
-the ranges and drove the screening: no independent evidence). Its pooled error e (1 - cosine) is an estimate whose
+about K judged candidates to meet its target on n held-out samples, judged alone from HELD_ALONE of them (calibration
+samples judged beside fewer chose the ranges and drove the screening: no independent evidence). Its pooled error e (1 - cosine) is an estimate whose
 relative standard error is at least 1/sqrt(n); picking among K candidates, the one kept may be one whose estimate was
 lucky, so that with chance SEARCH_ALPHA at most over all K (Bonferroni) the error on fresh samples of the same kind
 stays below e * (1 + z_K / sqrt(n)), z_K Student's t quantile of 1 - SEARCH_ALPHA / K with n - 1 degrees of freedom

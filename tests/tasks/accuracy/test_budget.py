@@ -6,7 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tasks.accuracy.budget import MAX_MARGIN, SEARCH_ALPHA, derived_margin, student_t_quantile
+from tasks.accuracy.budget import (HELD_ALONE, JUDGE_CALIBRATION, MAX_MARGIN, SEARCH_ALPHA, derived_margin,
+                                   judged_samples, student_t_quantile)
+from tasks.quantization import judge_feeds_of
 
 
 @pytest.mark.parametrize("p, df, table", [(0.95, 3, 2.353), (0.95, 7, 1.895), (0.975, 10, 2.228), (0.995, 7, 3.499),
@@ -49,3 +51,19 @@ def test_a_kept_graph_fails_validation_at_most_as_often_as_the_rule_allows(n):
         assert np.mean([f for _, f in runs]) <= SEARCH_ALPHA, (n, true_error)
     if n >= 8:
         assert np.mean([k for k, _ in (_search(rng, 0.003, n, 21, n) for _ in range(500))]) >= 0.95
+
+
+def test_enough_held_out_samples_judge_the_search_alone():
+    """From HELD_ALONE held-out samples the search judges them alone, as the rule above is simulated (the calibration
+    samples chose the ranges: in-sample, no evidence); fewer are judged with up to JUDGE_CALIBRATION calibration
+    samples; none held out, the calibration samples judge. The count the margin is derived from is what is judged."""
+    cal = [{"x": np.full((1, 2), i, np.float32)} for i in range(12)]
+    held = [{"x": np.full((1, 2), 100 + i, np.float32)} for i in range(HELD_ALONE)]
+    assert judge_feeds_of(cal, held) == held
+    assert judged_samples(HELD_ALONE, len(cal)) == HELD_ALONE
+    few = held[:HELD_ALONE - 1]
+    assert judge_feeds_of(cal, few) == few + cal[:JUDGE_CALIBRATION]
+    assert judged_samples(len(few), len(cal)) == len(few) + JUDGE_CALIBRATION
+    assert judge_feeds_of(cal, None) == cal and judged_samples(0, len(cal)) == len(cal)
+    # decided on the held-out feeds as the search picks them: 3 feeds of 4 samples each are 3 feeds
+    assert judged_samples(12, len(cal), held_feeds=3) == 12 + JUDGE_CALIBRATION
