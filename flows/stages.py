@@ -165,7 +165,11 @@ def _build_engines(ctx: BuildContext) -> StageResult:
 
         convs = {s["index"]: onnx_at_precision(s["onnx"], precision, d / f"{ctx.cfg.model.name}.{t.name}.{label}{s['name']}.onnx",
                                                keep, cancel, tiny, search(s["index"])) for s in segs}
+        whole = _fp16_judged_whole(ctx, segs, convs, held, d) if held is not None and plan.get("hybrid") else None
         r = engines_for(ctx, segs, {i: c.files["onnx"] for i, c in convs.items()}, label, precision, d, "build")
+        if whole is not None:
+            r.details["fp16_whole_model"] = whole
+            r.metrics["fp16_segments_fp32"] = len(whole["kept"])
         for i, c in convs.items():
             r.files[f"onnx{i}"] = c.files["onnx"]
             add_metrics(r.metrics, c.metrics, ("convert_seconds",))
@@ -182,15 +186,36 @@ def _build_engines(ctx: BuildContext) -> StageResult:
     return r
 
 
+def _fp16_judged_whole(ctx: BuildContext, segs: list[dict], convs: dict, held, d: Path) -> dict:
+    """fp16 of a hybrid model: its converted segments judged together with the native parts on the model's outputs
+    by accuracy.metric (tasks/fp16/composed.py); the segments it keeps fp32 are converted at fp32 in ``convs``."""
+    from tasks.engines import onnx_at_precision
+    from tasks.fp16 import segments_kept_fp32
+    from tasks.search import search_goal as goal_of
+
+    whole = goal_of(accuracy_metric(ctx), ctx.cfg.accuracy.min_cosine, fixed_margin(ctx).share, None)
+    error = {i: 1.0 - c.metrics.get("search_cosine", 1.0) for i, c in convs.items()}
+    found = segments_kept_fp32(ctx.results["export"].files["onnx"], ctx.results["partition"].details,
+                               ctx.results["partition"].files, [o["name"] for o in ctx.results["export"].details["outputs"]],
+                               held.feeds, {i: c.files["onnx"] for i, c in convs.items()}, error, whole.judge,
+                               whole.target)
+    t = ctx.cfg.target
+    for s in segs:
+        if s["index"] in found["kept"]:
+            convs[s["index"]] = onnx_at_precision(s["onnx"], "fp32", d / f"{ctx.cfg.model.name}.{t.name}.fp32{s['name']}.onnx")
+    return {**found, "target": whole.target, "metric": whole.judge.name, "samples": len(held.feeds)}
+
+
 def _say_fp16(ctx: BuildContext, r: StageResult, ranged, goal, held) -> None:
     """The build's fp16 warnings and the note on what its accuracy search kept (tasks/fp16/notes.py)."""
-    from tasks.fp16 import fp16_build_warnings, fp16_cancellation_warning, fp16_search_note
+    from tasks.fp16 import fp16_build_warnings, fp16_cancellation_warning, fp16_search_note, fp16_whole_model_note
 
     conversions = r.details.get("conversion", [])
     warn_all(ctx, "build", fp16_build_warnings(conversions, ranged, ctx.cfg.build.fp16_data_max))
     note = fp16_search_note(conversions, r.metrics, goal and goal.target, goal and goal.judge.name, held and held.source)
-    if note:
-        ctx.stages.setdefault("build", {})["note"] = note
+    whole = fp16_whole_model_note(r.details.get("fp16_whole_model"))
+    if note or whole:
+        ctx.stages.setdefault("build", {})["note"] = "; ".join(n for n in (note, whole) if n)
     cancelled = fp16_cancellation_warning(conversions, ranged)
     if cancelled:
         ctx.warn("build", cancelled)

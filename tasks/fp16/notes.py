@@ -51,3 +51,21 @@ def fp16_search_note(conversions: list[dict], metrics: dict, target: float, metr
             f"{min(f['bound_fp16'] for f in found):.6f} -> {after:.6f} (target {target:.6g}"
             f"{'' if pooled else f', accuracy.metric={metric_name}'}, {metrics['search_samples']} held-out samples of "
             f"{held_source}, disjoint from validation's; onnxruntime emulation of fp16)")
+
+
+def fp16_whole_model_note(whole: dict | None) -> str | None:
+    """What judging a split model's converted segments together found (tasks/fp16/composed.py), where it kept a
+    segment fp32 or missed; None when the segments as converted met the target together."""
+    if not whole or (whole["met"] and not whole["kept"]):
+        return None
+    where = (f"judged together with the native parts on the model's outputs ({whole['metric']}, "
+             f"{whole['samples']} held-out samples, onnxruntime emulation of fp16)")
+    if not whole["met"]:
+        return (f"fp16 of a split model: the converted segments, {where}, give {whole['bound_fp16']:.6f} against the "
+                f"target {whole['target']:.6g}, and every TensorRT segment fp32 still {whole['bound']:.6f}: the parts "
+                f"in ONNX Runtime or the data decide, not fp16; the segments stay as converted")
+    kept = whole["kept"]
+    return (f"fp16 of a split model: the converted segments, {where}, gave {whole['bound_fp16']:.6f} against the target "
+            f"{whole['target']:.6g} though each met it on its own outputs: {len(kept)} of {whole['candidates']} "
+            f"TensorRT segments kept fp32 whole (segment {', '.join(map(str, kept[:8]))}{' …' if len(kept) > 8 else ''}), "
+            f"giving {whole['bound']:.6f}")

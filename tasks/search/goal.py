@@ -32,8 +32,9 @@ def search_goal(metric: Metric, min_cosine: float, budget_margin: float, samples
         judge = metric.judge(margin)
     else:
         warning = (f"the model runs in {len(segments)} TensorRT segment(s) with parts in ONNX Runtime: the accuracy "
-                   f"search judges each segment's own outputs by cosine (accuracy.min_cosine); "
-                   f"accuracy.metric={metric.name} gates validate")
+                   f"search judges each segment's own outputs by cosine (accuracy.min_cosine), then the segments "
+                   f"together on the model's outputs by accuracy.metric={metric.name}, keeping whole segments fp32 "
+                   f"where they miss it")
         judge = Metric(min_cosine=min_cosine).judge(margin)
     target = search_target(min_cosine, budget_margin, samples) if judge.name == "cosine" else judge.target
     return SearchGoal(judge, target, warning)

@@ -1,0 +1,95 @@
+"""fp16 of a model split into TensorRT segments and native parts, judged as a whole.
+
+Each segment's fp16 search (tasks/fp16/search.py) judges that segment's own outputs, which do not show a discrete
+decision the rest of the model takes from them: a predicted duration rounded to whole frames (a TTS model's audio then
+has another length), an argmax that ends a decode. Here the converted segments are run together with the native
+parts, composed as validate composes them, and judged on the model's outputs by the user's metric; where that misses
+the target, whole segments are kept fp32: a small set of them that meets it, found by halving the segments (those whose
+own outputs erred most first), each judgement one composed run per sample.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+
+STAGE = "build"
+Feed = dict[str, np.ndarray]
+
+
+def segments_kept_fp32(model_path: Path, plan: dict, plan_files: dict, graph_outputs: list[str], feeds: list[Feed],
+                       converted: dict[int, Path], error: dict[int, float], judge, target: float) -> dict:
+    """Which TensorRT segments of a hybrid ``plan`` to keep fp32 so that the model composed of the ``converted`` fp16
+    graphs (the rest: the segments' fp32 graphs, ``plan_files``) meets ``target`` on ``feeds`` against the fp32
+    model at ``model_path``, by ``judge`` (tasks.accuracy.metric.SearchJudge: cosine pooled less one standard error,
+    another metric its worst feed; tasks.search.judging.Judged). ``error``: each segment's own error (1 - cosine of its
+    outputs), the order the halving splits them in (``_fewest``). Returns {"kept": [segment indices], "bound_fp16": the figure of every
+    segment as converted, "bound": the figure with those kept (None: not judged again), "met": whether it meets,
+    "runs": composed runs of one sample, "candidates": the segments it chose among}."""
+    from tasks.accuracy.nonfinite import on_finite_reference
+    from tasks.onnxrt.emulate import precision_runner
+    from tasks.onnxrt.ort import ort_runner
+    from tasks.partition.segments import Composed
+    from tasks.search.judging import Judged
+
+    trt = [s["index"] for s in plan["segments"] if s["kind"] == "trt" and s["index"] in converted]
+    runners: dict[tuple[int, bool], Callable] = {}
+
+    def runner(seg: dict, kept: frozenset) -> Callable:
+        i = seg["index"]
+        fp32 = seg["kind"] != "trt" or i in kept or i not in converted
+        if (i, fp32) not in runners:  # one session per segment and precision, shared by every judgement
+            runners[i, fp32] = (ort_runner(plan_files[f"segment{i}"], stage=STAGE, arena=False) if fp32 else
+                                precision_runner(converted[i], arena=False, stage=STAGE)[0])
+        return runners[i, fp32]
+
+    reference = ort_runner(model_path, stage=STAGE, arena=False)
+    refs = [reference(f) for f in feeds]
+    runs = 0
+
+    def judged(kept: frozenset):
+        nonlocal runs
+        composed = Composed(plan["segments"], graph_outputs, lambda s: runner(s, kept))
+        outs = []
+        for f, r in zip(feeds, refs):
+            outs.append(on_finite_reference(composed(f), r))
+            runs += 1
+        return Judged.of(outs, refs, feeds, judge)
+
+    first = judged(frozenset())
+    out = {"kept": [], "bound_fp16": first.bound, "bound": None, "met": first.bound >= target, "runs": runs,
+           "candidates": len(trt)}
+    if out["met"] or not trt:
+        return out
+    order = sorted(trt, key=lambda i: -error.get(i, 0.0))
+    figures: dict[frozenset, object] = {frozenset(): first}
+
+    def meets(kept) -> bool:
+        kept = frozenset(kept)
+        if kept not in figures:
+            figures[kept] = judged(kept)
+        return figures[kept].bound >= target
+
+    if not meets(order):  # every segment fp32 misses too: nothing fp16 can be kept for (validate says why)
+        return {**out, "bound": figures[frozenset(order)].bound, "runs": runs}
+    kept = _fewest(order, frozenset(), meets)
+    return {**out, "kept": [i for i in order if i in kept], "bound": figures[frozenset(kept)].bound, "met": True,
+            "runs": runs}
+
+
+def _fewest(cands: list[int], fixed: frozenset, meets: Callable) -> frozenset:
+    """A small part of ``cands`` that, kept fp32 with ``fixed``, still meets (``meets(fixed | cands)`` holds), by
+    halving: a half that meets alone is searched further, else each half is searched with the other kept. One segment
+    whose rounding flips the decision is found in about 2 log2(segments) judgements."""
+    if len(cands) <= 1:
+        return frozenset(cands)
+    half = len(cands) // 2
+    a, b = cands[:half], cands[half:]
+    if meets(fixed | set(a)):
+        return _fewest(a, fixed, meets)
+    if meets(fixed | set(b)):
+        return _fewest(b, fixed, meets)
+    first = _fewest(a, fixed | set(b), meets)
+    return first | _fewest(b, fixed | first, meets)
