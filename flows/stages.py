@@ -138,7 +138,7 @@ def _build_engines(ctx: BuildContext) -> StageResult:
     ranged = (ctx.data.calibration or ctx.data.validation) if precision == "fp16" else None
     # fp16 under the accuracy budget: nodes kept fp32 until the search's held-out samples meet its target; only once the
     # graph as converted missed the budget in validate (fp16_search_due), so builds that meet it pay nothing for it
-    held = ctx.data.search if ctx.fp16_search and fp16_searchable(ctx) else None
+    held = ctx.data.search if ctx.fp16_search else None  # fp16_search_due decided the search may run
     # judged by accuracy.metric as the int8 search judges (cosine: pooled, less one standard error, which already widens
     # for few samples): the margin as given (calibration.budget_margin, else FIXED_MARGIN), not grown for few samples
     # nor derived (a static profile's generated search set is one sample: the grown margin asked for cosine 1.0)
@@ -223,11 +223,15 @@ def _say_fp16(ctx: BuildContext, r: StageResult, ranged, goal, held) -> None:
 
 def fp16_searchable(ctx: BuildContext) -> bool:
     """Whether this build may search the nodes to keep fp32 at fp16 (tasks/fp16/search.py): fp16 from a float model
-    (or one quantized dynamically only: its engines compute float), calibration.search on, held-out samples for it."""
+    (or one quantized dynamically only, or whose Q/DQ reach no TensorRT layer: its engines as built compute no 8-bit
+    FLOPs, Kokoro's 4 weight-only Gathers run in ONNX Runtime), calibration.search on, held-out samples for it."""
     from tasks.prequant import float_engines
 
     p, q = ctx.cfg.precision, prequantized(ctx)
-    return (p.name == "fp16" and (not q or float_engines(q)) and bool(ctx.cfg.calibration.search)
+    built = ctx.results.get("build")
+    share = built.metrics.get("flops_share") if built is not None else None
+    float_built = bool(share) and not share.get("int8") and not share.get("fp8")
+    return (p.name == "fp16" and (not q or float_engines(q) or float_built) and bool(ctx.cfg.calibration.search)
             and ctx.data.search is not None)
 
 
