@@ -124,7 +124,7 @@ def baseline_timed(ctx: BuildContext) -> bool:
 
 def _build_engines(ctx: BuildContext) -> StageResult:
     from tasks.engines import add_metrics, as_baseline, onnx_at_precision
-    from tasks.fp16 import searched_segments
+    from tasks.fp16 import fp16_or_fp32, searched_segments
     from tasks.graph import load_onnx
     from tasks.fp16 import fp16_hazards_from_data
     from tasks.prequant import precision_for
@@ -163,9 +163,14 @@ def _build_engines(ctx: BuildContext) -> StageResult:
             return {"feeds": held_feeds.get(i, []), "target": target, "samples_text":
                     f"held-out samples ({held.source})", "budget": ctx.cfg.accuracy.min_cosine, "metric": goal.judge}
 
-        convs = {s["index"]: onnx_at_precision(s["onnx"], precision, d / f"{ctx.cfg.model.name}.{t.name}.{label}{s['name']}.onnx",
-                                               keep, cancel, tiny, search(s["index"])) for s in segs}
-        whole = _fp16_judged_whole(ctx, segs, convs, held, d) if held is not None and plan.get("hybrid") else None
+        def convert(s: dict):
+            return onnx_at_precision(s["onnx"], precision, d / f"{ctx.cfg.model.name}.{t.name}.{label}{s['name']}.onnx",
+                                     keep, cancel, tiny, search(s["index"]))
+
+        split = held is not None and plan.get("hybrid")  # a split model's segments are judged whole below
+        convs = fp16_or_fp32(segs, convert, lambda s: _segment_fp32(ctx, s, d)) if split else \
+            {s["index"]: convert(s) for s in segs}
+        whole = _fp16_judged_whole(ctx, segs, convs, held, d) if split else None
         r = engines_for(ctx, segs, {i: c.files["onnx"] for i, c in convs.items()}, label, precision, d, "build")
         if whole is not None:
             r.details["fp16_whole_model"] = whole
@@ -189,7 +194,6 @@ def _build_engines(ctx: BuildContext) -> StageResult:
 def _fp16_judged_whole(ctx: BuildContext, segs: list[dict], convs: dict, held, d: Path) -> dict:
     """fp16 of a hybrid model: its converted segments judged together with the native parts on the model's outputs
     by accuracy.metric (tasks/fp16/composed.py); the segments it keeps fp32 are converted at fp32 in ``convs``."""
-    from tasks.engines import onnx_at_precision
     from tasks.fp16 import segments_kept_fp32
     from tasks.search import search_goal as goal_of
 
@@ -199,11 +203,18 @@ def _fp16_judged_whole(ctx: BuildContext, segs: list[dict], convs: dict, held, d
                                ctx.results["partition"].files, [o["name"] for o in ctx.results["export"].details["outputs"]],
                                held.feeds, {i: c.files["onnx"] for i, c in convs.items()}, error, whole.judge,
                                whole.target)
-    t = ctx.cfg.target
     for s in segs:
         if s["index"] in found["kept"]:
-            convs[s["index"]] = onnx_at_precision(s["onnx"], "fp32", d / f"{ctx.cfg.model.name}.{t.name}.fp32{s['name']}.onnx")
-    return {**found, "target": whole.target, "metric": whole.judge.name, "samples": len(held.feeds)}
+            convs[s["index"]] = _segment_fp32(ctx, s, d)
+    refused = [i for i, c in convs.items() if c.details.get("fp16_search_refused")]
+    return {**found, "target": whole.target, "metric": whole.judge.name, "samples": len(held.feeds),
+            "fp32_by_own_search": refused}
+
+
+def _segment_fp32(ctx: BuildContext, s: dict, d: Path):
+    from tasks.engines import onnx_at_precision
+
+    return onnx_at_precision(s["onnx"], "fp32", d / f"{ctx.cfg.model.name}.{ctx.cfg.target.name}.fp32{s['name']}.onnx")
 
 
 def _say_fp16(ctx: BuildContext, r: StageResult, ranged, goal, held) -> None:

@@ -8,6 +8,7 @@ __getattr__, __dir__, __all__ = lazy(__name__, {
     "fp16_hazards_from_data": "hazards",
     "fp16_search_note": "notes",
     "fp16_whole_model_note": "notes",
+    "fp16_or_fp32": "composed",
     "segments_kept_fp32": "composed",
     "searched_segments": "search",
 })

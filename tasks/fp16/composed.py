@@ -93,3 +93,24 @@ def _fewest(cands: list[int], fixed: frozenset, meets: Callable) -> frozenset:
         return _fewest(b, fixed, meets)
     first = _fewest(a, fixed | set(b), meets)
     return first | _fewest(b, fixed | first, meets)
+
+
+def fp16_or_fp32(segments: list[dict], convert: Callable[[dict], object], fp32: Callable[[dict], object]) -> dict:
+    """The TensorRT segments of a split model at fp16 (``convert(segment)``: its conversion with the fp16 search), each
+    one whose search cannot meet its target on the segment's own outputs short of keeping every node fp32 at fp32
+    instead (``fp32(segment)``, with the search's words in details ``fp16_search_refused``): kept fp32 whole, the model
+    then judged whole (``segments_kept_fp32``). {segment index: result}. Where that leaves no segment fp16 (an fp32
+    engine by another name), the first search's refusal (AccuracyError) stands."""
+    from tasks.common.errors import AccuracyError
+
+    out, refused = {}, []
+    for s in segments:
+        try:
+            out[s["index"]] = convert(s)
+        except AccuracyError as e:
+            refused.append(e)
+            out[s["index"]] = fp32(s)
+            out[s["index"]].details["fp16_search_refused"] = e.message
+    if refused and len(refused) == len(segments):
+        raise refused[0]
+    return out

@@ -56,16 +56,23 @@ def fp16_search_note(conversions: list[dict], metrics: dict, target: float, metr
 def fp16_whole_model_note(whole: dict | None) -> str | None:
     """What judging a split model's converted segments together found (tasks/fp16/composed.py), where it kept a
     segment fp32 or missed; None when the segments as converted met the target together."""
-    if not whole or (whole["met"] and not whole["kept"]):
+    own = whole.get("fp32_by_own_search") or [] if whole else []
+    if not whole or (whole["met"] and not whole["kept"] and not own):
         return None
+    ahead = (f"{len(own)} TensorRT segment{'s' if len(own) > 1 else ''} kept fp32 whole, where its own fp16 search "
+             f"missed the target short of every node fp32 (segment {', '.join(map(str, own[:8]))}"
+             f"{' …' if len(own) > 8 else ''}); " if own else "")
+    if whole["met"] and not whole["kept"]:
+        return (f"fp16 of a split model: {ahead}the segments judged together on the model's outputs then gave "
+                f"{whole['bound_fp16']:.6f} against the target {whole['target']:.6g}")
     where = (f"judged together with the native parts on the model's outputs ({whole['metric']}, "
              f"{whole['samples']} held-out samples, onnxruntime emulation of fp16)")
     if not whole["met"]:
-        return (f"fp16 of a split model: the converted segments, {where}, give {whole['bound_fp16']:.6f} against the "
+        return (f"fp16 of a split model: {ahead}the converted segments, {where}, give {whole['bound_fp16']:.6f} against the "
                 f"target {whole['target']:.6g}, and every TensorRT segment fp32 still {whole['bound']:.6f}: the parts "
                 f"in ONNX Runtime or the data decide, not fp16; the segments stay as converted")
     kept = whole["kept"]
-    return (f"fp16 of a split model: the converted segments, {where}, gave {whole['bound_fp16']:.6f} against the target "
-            f"{whole['target']:.6g} though each met it on its own outputs: {len(kept)} of {whole['candidates']} "
+    return (f"fp16 of a split model: {ahead}the converted segments, {where}, gave {whole['bound_fp16']:.6f} against the target "
+            f"{whole['target']:.6g}: {len(kept)} of {whole['candidates']} "
             f"TensorRT segments kept fp32 whole (segment {', '.join(map(str, kept[:8]))}{' …' if len(kept) > 8 else ''}), "
             f"giving {whole['bound']:.6f}")
