@@ -88,6 +88,9 @@ def segments_kept_fp32(model_path: Path, plan: dict, plan_files: dict, graph_out
 
     kept = frozenset(_fewest(order, frozenset(), judged_within))
     final = figures[kept] if kept in figures else judged(kept)  # judged already: the halving returns a set it met
+    if len(kept) == len(order):  # only every segment fp32 met it (or the halving found no smaller set within its
+        # judgements): an fp32 model by another name; the segments stay as converted and validate says why
+        return {**out, "bound": final.bound, "runs": runs, "judgements": len(figures), "all_needed": True}
     return {**out, "kept": [i for i in order if i in kept], "bound": final.bound, "met": final.bound >= target,
             "runs": runs, "judgements": len(figures)}
 

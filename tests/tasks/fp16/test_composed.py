@@ -31,3 +31,12 @@ def test_a_segment_whose_own_search_misses_is_kept_fp32_whole():
 def test_the_refusal_stands_where_no_segment_would_stay_fp16():
     with pytest.raises(AccuracyError, match="segment 0"):
         fp16_or_fp32([{"index": 0}, {"index": 1}], _convert({0, 1}), _fp32)
+
+
+def test_the_note_says_when_only_every_segment_fp32_met_the_target():
+    from tasks.fp16.notes import fp16_whole_model_note
+
+    note = fp16_whole_model_note({"kept": [], "met": False, "all_needed": True, "bound_fp16": 0.5, "bound": 1.0,
+                                  "target": 0.995, "metric": "cosine", "samples": 4, "judgements": 16,
+                                  "candidates": 182})
+    assert "only every TensorRT segment fp32 met it" in note and "stay as converted" in note
