@@ -69,9 +69,9 @@ def fp16_whole_model_note(whole: dict | None) -> str | None:
              f"{whole['samples']} held-out samples, onnxruntime emulation of fp16)")
     if whole.get("all_needed"):
         return (f"fp16 of a split model: {ahead}the converted segments, {where}, give {whole['bound_fp16']:.6f} against the "
-                f"target {whole['target']:.6g}; only every TensorRT segment fp32 met it ({whole['bound']:.6f}; "
-                f"{whole.get('judgements')} judgements of whole segments): no part of the model can stay fp16 for it, "
-                f"so the segments stay as converted and validate judges them")
+                f"target {whole['target']:.6g}; every TensorRT segment fp32 meets it ({whole['bound']:.6f}), and no "
+                f"smaller set of whole segments kept fp32 did in {whole.get('judgements')} judgements: an fp32 model by "
+                f"another name, so the segments stay as converted and validate judges them")
     if not whole["met"]:
         return (f"fp16 of a split model: {ahead}the converted segments, {where}, give {whole['bound_fp16']:.6f} against the "
                 f"target {whole['target']:.6g}, and every TensorRT segment fp32 still {whole['bound']:.6f}: the parts "

@@ -39,4 +39,4 @@ def test_the_note_says_when_only_every_segment_fp32_met_the_target():
     note = fp16_whole_model_note({"kept": [], "met": False, "all_needed": True, "bound_fp16": 0.5, "bound": 1.0,
                                   "target": 0.995, "metric": "cosine", "samples": 4, "judgements": 16,
                                   "candidates": 182})
-    assert "only every TensorRT segment fp32 met it" in note and "stay as converted" in note
+    assert "no smaller set of whole segments kept fp32 did in 16 judgements" in note and "stay as converted" in note
