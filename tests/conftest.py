@@ -41,6 +41,15 @@ _SHARED_WORKER = {"test_local_isolation.py": "another-local-user", "test_local_i
                   "test_local_state.py": "another-local-user"}
 
 
+def pytest_unconfigure(config):
+    """The session's folder (MLflow store, Prefect home, models built in code: ~150 MB a run) goes with the session,
+    after its fixtures have stopped the servers that used it; TRTFORGE_KEEP_TEST_TMP=1 keeps it to look into."""
+    if os.environ.get("TRTFORGE_KEEP_TEST_TMP") != "1":
+        import shutil
+
+        shutil.rmtree(_SESSION_TMP, ignore_errors=True)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         group = _SHARED_WORKER.get(item.path.name, str(item.path.relative_to(REPO)))
