@@ -2,6 +2,7 @@
 MLflow store and Prefect home per session, and real TensorRT-RTX / ONNX Runtime everywhere."""
 from __future__ import annotations
 
+import atexit
 import os
 import tempfile
 from pathlib import Path
@@ -23,6 +24,7 @@ _USER_TEMPLATES = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache
 os.environ["XDG_CACHE_HOME"] = str(_SESSION_TMP / "cache")
 os.environ["XDG_RUNTIME_DIR"] = str(_SESSION_TMP / "run")
 os.mkdir(_SESSION_TMP / "run", 0o700)
+atexit.register(lambda: _remove_session_tmp())  # registered first, so it runs after every later exit handler
 (_SESSION_TMP / "cache" / "trtforge" / "templates").mkdir(parents=True)
 for _t in _USER_TEMPLATES.glob("*.db") if _USER_TEMPLATES.is_dir() else ():
     import shutil
@@ -41,13 +43,18 @@ _SHARED_WORKER = {"test_local_isolation.py": "another-local-user", "test_local_i
                   "test_local_state.py": "another-local-user"}
 
 
-def pytest_unconfigure(config):
-    """The session's folder (MLflow store, Prefect home, models built in code: ~150 MB a run) goes with the session,
-    after its fixtures have stopped the servers that used it; TRTFORGE_KEEP_TEST_TMP=1 keeps it to look into."""
+def _remove_session_tmp() -> None:
     if os.environ.get("TRTFORGE_KEEP_TEST_TMP") != "1":
         import shutil
 
         shutil.rmtree(_SESSION_TMP, ignore_errors=True)
+
+
+def pytest_unconfigure(config):
+    """The session's folder (MLflow store, Prefect home, models built in code: ~150 MB a run) goes with the session,
+    after its fixtures have stopped the servers that used it, and again at exit (after the exit handlers that write to
+    its cache); TRTFORGE_KEEP_TEST_TMP=1 keeps it to look into."""
+    _remove_session_tmp()
 
 
 def pytest_collection_modifyitems(config, items):
