@@ -241,8 +241,15 @@ def stage_case(case: str, pages: int, size: int, tmp: Path) -> dict:
                PREFECT_SERVER_ANALYTICS_ENABLED="false", MLFLOW_DISABLE_TELEMETRY="true", DO_NOT_TRACK="true")
     run.mkdir(parents=True, exist_ok=True)
     t0, cpu0 = time.perf_counter(), _children_cpu()
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
+    try:
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+    finally:  # the run's warm build process and Prefect server (its own PREFECT_HOME) go with it: left idling, each
+        # polled at ~3% of a core through the next cases' timings
+        from flows.local import daemon, server
+
+        daemon.stop(env)
+        server.shutdown(run / "prefect")
     if not (run / "summary.json").is_file():
         raise SystemExit(f"{case}: no summary (exit {proc.returncode}): {proc.stderr[-1500:]}")
     timing: dict = {}  # the search's seconds per step, from the calibrate stage's cached result (not in summary.json)
