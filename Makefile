@@ -25,8 +25,17 @@ PADDLE_STAMP := $(VENV)/.paddle
 # `make build MODEL=x` installs them when conf/model/x.yaml is a Paddle model
 PADDLE_MODEL = $(if $(MODEL),$(shell grep -ls '^format: *paddle' conf/model/$(MODEL).yaml 2>/dev/null))
 
+# A first install takes about 3.5 GB here (TensorRT-RTX, ONNX Runtime, torch, Paddle), and pip unpacks beside it: on a
+# fuller disk it fails part-way with "No space left on device". Checked first, with what to do (0: not checked).
+DISK_NEEDED_MB ?= 5000
+
 # (Re)install when pyproject.toml changes.
 $(STAMP): pyproject.toml
+	@test -x $(PY) || { avail=$$(df -Pm . | awk 'NR==2 {print $$4}'); \
+	  if [ -n "$$avail" ] && [ "$$avail" -lt "$(DISK_NEEDED_MB)" ]; then \
+	    echo "make: setting up needs about $(DISK_NEEDED_MB) MB free on the disk of $(CURDIR); it has $$avail MB." >&2; \
+	    echo "  fix: free some space (other clones' .venv folders, old files in /tmp), or DISK_NEEDED_MB=0 to try anyway" >&2; \
+	    exit 2; fi; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PIP) -e '.[test,torch]'
