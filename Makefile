@@ -27,7 +27,7 @@ PADDLE_MODEL = $(if $(MODEL),$(shell grep -ls '^format: *paddle' conf/model/$(MO
 
 # A first install takes about 3.5 GB here (TensorRT-RTX, ONNX Runtime, torch, Paddle), and pip unpacks beside it: on a
 # fuller disk it fails part-way with "No space left on device". Checked first, with what to do (0: not checked).
-DISK_NEEDED_MB ?= 5000
+DISK_NEEDED_MB ?= 4000
 
 # (Re)install when pyproject.toml changes.
 $(STAMP): pyproject.toml
