@@ -22,7 +22,8 @@ of .npz files: the build splits them into calibration, the search's held-out set
 (PP-OCRv4 det, conf/model/ppocr_det) and `det_v5` (PP-OCRv5 mobile det, benchmarks/zoo/model/ppocr_det_v5.yaml; needs
 `benchmarks/zoo.py --install`). Prints the calibrate stage's seconds, the CLI run's CPU seconds, the search's whole-model
 runs, the search's figure against validation's, the int8 FLOPs share and the precision boundaries, then the stage's
-seconds by step. Single runs on a shared host: indicative only.
+seconds by step, and the host's speed before and after the cases (a plain run of det: this shared host's speed drifts
+by up to a quarter within an hour). Single runs on a shared host: indicative only.
     .venv/bin/pip install --no-deps -r benchmarks/modelopt-requirements.txt   # for the ModelOpt table
 """
 from __future__ import annotations
@@ -47,6 +48,7 @@ from tasks.quantization import ranges as ranges_mod  # noqa: E402
 from tasks.quantization import qdq_from_onnx  # noqa: E402
 from tasks.sources import onnx_from_model  # noqa: E402
 from tasks.data import preprocess, render_text_image  # noqa: E402
+from tasks.graph import resolve_source  # noqa: E402
 
 MODELOPT_INSTALL = ".venv/bin/pip install --no-deps -r benchmarks/modelopt-requirements.txt"
 # (ours, ModelOpt's name for it or None, ModelOpt's name of the method it is compared with)
@@ -269,9 +271,30 @@ def _children_cpu() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
+def host_speed_ms(runs: int = 10) -> float:
+    """The host's speed now: the median milliseconds of a plain run of PP-OCRv4 det (fp32, ONNX Runtime's full
+    optimizations, one thread, one 640x640 page). The same stage code took 28.8 s at 113 ms and 36 s on a slower hour
+    of this shared host (docs/performance.md): the stage's seconds are read against it."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads, so.log_severity_level = 1, 3
+    sess = ort.InferenceSession(str(resolve_source(DET)), so, providers=["CPUExecutionProvider"])
+    x = {sess.get_inputs()[0].name: np.random.default_rng(0).random((1, 3, 640, 640), dtype=np.float32)}
+    sess.run(None, x)
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        sess.run(None, x)
+        times.append(time.perf_counter() - t0)
+    return 1000 * float(np.median(times))
+
+
 def stage_table(cases: list[str], pages: int, size: int) -> None:
+    speed = host_speed_ms()
     print(f"the calibrate stage as users run it: {pages} text pages of {size}x{size} as calibration.data alone, "
-          f"min_cosine 0.99, sm_86; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f} (shared host: indicative)")
+          f"min_cosine 0.99, sm_86; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f} (shared host: indicative); "
+          f"host speed {speed:.0f} ms (PP-OCRv4 det fp32, one thread, 640x640, median of 10)")
     print(f"{'case':<8} {'status':<7} {'cal s':>6} {'wall s':>7} {'CPU s':>6} {'runs':>5} {'sets':>9} {'margin':>7} "
           f"{'search':>8} {'valid.':>8} {'int8 FLOPs':>10} {'conv int8':>9} {'reformats':>9}")
     steps = []
@@ -301,6 +324,7 @@ def stage_table(cases: list[str], pages: int, size: int) -> None:
         print("  " + line)
     print("  CPU s: the whole CLI run's CPU seconds, every thread (on 2 cores, about twice a quiet host's wall time "
           "where both are busy); runs: whole-model runs of one sample in the accuracy search")
+    print(f"host speed after the cases: {host_speed_ms():.0f} ms (before: {speed:.0f})")
 
 
 def main() -> int:
