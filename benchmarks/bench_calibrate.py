@@ -273,8 +273,8 @@ def _children_cpu() -> float:
 
 def host_speed_ms(runs: int = 10) -> float:
     """The host's speed now: the median milliseconds of a plain run of PP-OCRv4 det (fp32, ONNX Runtime's full
-    optimizations, one thread, one 640x640 page). The same stage code took 28.8 s at 113 ms and 36 s on a slower hour
-    of this shared host (docs/performance.md): the stage's seconds are read against it."""
+    optimizations, one thread, one 640x640 page). The same stage code took 28.8 s in one hour of this shared host and
+    36 s in another (docs/performance.md): the stage's seconds are read against it."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
