@@ -13,8 +13,10 @@ ORT's quantizer runs once, on every layer; the graph of a subset of layers is de
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +35,19 @@ FP8_MAX = 448.0  # largest finite float8 E4M3FN value
 RESIDUAL_OPS = ("Add",)  # a residual Add's skip input gets Q/DQ so TensorRT fuses the Add into the Conv before it
 EXTRA_OPTIONS = {"ActivationSymmetric": True, "WeightSymmetric": True, "QuantizeBias": False, "DedicatedQDQPair": True,
                  "OpTypesToExcludeOutputQuantization": list(QUANT_OPS + RESIDUAL_OPS)}  # Q/DQ on the op inputs only
+
+
+@contextlib.contextmanager
+def private_model_path(model_path: Path):
+    """``model_path`` as seen from a folder of this process's own (mode 0700, removed after): ONNX Runtime's calibrator
+    and quantizer write their shape-inferred copy beside the model they are given (``<name>-inferred.onnx``) and delete
+    it once loaded, so two processes calibrating one model removed each other's copy mid-read ("No graph was found in
+    the protobuf"), and a model in a folder shared with other users got a file written beside it. The calibrate stage's
+    own graphs are stored whole (no external data), so a link reads the same model."""
+    with tempfile.TemporaryDirectory(prefix="trtforge-ort-") as d:
+        link = Path(d) / "model.onnx"
+        link.symlink_to(Path(model_path).resolve())
+        yield link
 
 
 class Quantizer:
@@ -61,7 +76,8 @@ class Quantizer:
         # nodes the fp16 accuracy search keeps fp32 in the remainder (tasks.fp16.search, by name): int8's remainder is
         # fp16, with fp16's hazards
         self.keep_nodes = dict(keep_nodes or {})
-        self.base = update_opset_version(load_model_with_shape_infer(Path(model_path)), qt, qt)  # fp8: opset 19
+        with private_model_path(model_path) as private:
+            self.base = update_opset_version(load_model_with_shape_infer(private), qt, qt)  # fp8: opset 19
         self._weights = {t.name: t for t in self.base.graph.initializer}
         self._fp8_weights: dict[tuple[str, int | None], tuple[np.ndarray, np.ndarray]] = {}
         self._amax = {k: amax_of(v) for k, v in ranges.data.items()} if precision == "fp8" else {}

@@ -28,7 +28,7 @@ import numpy as np
 from tasks.common.errors import StageError, cause
 from tasks.common.memory import release_freed_memory
 from tasks.onnxrt.ort import ordered_runs, ort_session, run_workers, runs_alone
-from tasks.quantization.qdq import QUANT_OPS, RESIDUAL_OPS, quantized_activations
+from tasks.quantization.qdq import QUANT_OPS, RESIDUAL_OPS, private_model_path, quantized_activations
 from tasks.schema import CALIBRATION_METHODS
 
 STAGE = "calibrate"
@@ -95,8 +95,8 @@ def _calibrate(model_path: Path, feeds, method: str, work: Path, on_sample=None)
     else:
         cm, opts = CalibrationMethod.MinMax, {"symmetric": True}
     try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            cal = create_calibrator(model_path, list(QUANT_OPS + RESIDUAL_OPS), augmented_model_path=str(work / "augmented.onnx"),
+        with contextlib.redirect_stdout(io.StringIO()), private_model_path(model_path) as private:
+            cal = create_calibrator(private, list(QUANT_OPS + RESIDUAL_OPS), augmented_model_path=str(work / "augmented.onnx"),
                                     calibrate_method=cm, extra_options=opts)
             needed = quantized_activations(model_path)
             if cm == CalibrationMethod.Percentile:

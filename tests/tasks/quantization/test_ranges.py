@@ -124,3 +124,24 @@ def test_feeds_whose_values_are_large_are_run_one_at_a_time_with_the_same_ranges
     for name, td in together.data.items():
         assert np.array_equal(alone.data[name].range_value, td.range_value), name
         assert np.array_equal(alone.data[name].hist, td.hist), name
+
+
+def test_calibration_writes_nothing_beside_the_model(tmp_path):
+    """ONNX Runtime's calibrator and quantizer write a shape-inferred copy beside the model they are given and delete it:
+    two test workers calibrating one packaged model removed each other's copy mid-read. Here that copy's name is taken
+    by a folder: calibrating and quantizing still work, and the folder beside the model is left as it was."""
+    from tasks.quantization.qdq import Quantizer
+
+    models = tmp_path / "models"
+    models.mkdir()
+    path = _two_convs(models / "m.onnx")
+    (models / "m-inferred.onnx").mkdir()
+    feeds = [{"x": np.random.default_rng(2).standard_normal((1, 3, 8, 8)).astype(np.float32)}]
+    for method in ("entropy", "minmax"):
+        (tmp_path / method).mkdir()
+        r, _ = ranges_from_feeds(path, feeds, method, tmp_path / method)
+        assert {"x", "r1"} <= set(r.data), method
+    q = Quantizer(path, r, "int8", "fp32")
+    assert {n.op_type for n in q.qdq(q.layers).graph.node} >= {"QuantizeLinear", "DequantizeLinear", "Conv"}
+    assert sorted(p.name for p in models.iterdir()) == ["m-inferred.onnx", "m.onnx"]
+    assert not any((models / "m-inferred.onnx").iterdir())
