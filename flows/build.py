@@ -49,6 +49,7 @@ from flows.cli import expand_overrides, parse_args, print_stage, print_summary  
 from flows.config import compose_config, flat_params, preflight  # noqa: E402
 from flows.sweep import jobs, run_sweep  # noqa: E402
 from flows.local import tracker  # noqa: E402
+from flows.local.termination import end_if_terminated, watch_termination  # noqa: E402
 from flows.tracking import failure_text, run_matches, warm, warmed  # noqa: E402
 from tasks.common import TrtforgeError, cause  # noqa: E402
 from tasks.report import write_report  # noqa: E402
@@ -90,6 +91,7 @@ def build_flow() -> dict:
     """The build of the context set in `_current` (run_build)."""
     from prefect.runtime import flow_run
 
+    watch_termination()  # a SIGTERM from here on ends the build by it, whatever code it arrives in
     ctx = _current.get()
     ctx.origin = {"run": f"{flow_run.get_name()} ({flow_run.get_id()})"}  # stored with every result computed here
     timeline.mark("flow run started")
@@ -100,6 +102,7 @@ def build_flow() -> dict:
         if ctx.error is not None and ctx.error.exit_code != 1:
             return None  # bad input (or a host that cannot build it) found mid-way: nothing is published or tracked
     timeline.mark("stages done")
+    end_if_terminated()  # a stage that took a SIGTERM for an error of its own: nothing is published
     return publish(ctx)
 
 

@@ -1,0 +1,54 @@
+"""A SIGTERM mid-build ends the build by that signal even where code catches the exception Prefect's handler turns it
+into (flows/local/termination.py)."""
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(body: str) -> tuple[subprocess.CompletedProcess, float]:
+    code = textwrap.dedent("""
+        import os, signal, sys, time
+        class TerminationSignal(BaseException):  # what Prefect's flow engine raises for SIGTERM
+            pass
+        def prefect_handler(signum, frame):
+            raise TerminationSignal()
+        signal.signal(signal.SIGTERM, prefect_handler)
+        from flows.local.termination import end_if_terminated, watch_termination
+        watch_termination()
+    """) + textwrap.dedent(body)
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    return r, time.monotonic() - t0
+
+
+def test_a_sigterm_swallowed_by_the_code_it_lands_in_still_ends_the_process_by_it():
+    r, seconds = _run("""
+        for i in range(600):  # a library loop that catches everything (as a native import turned it into an ImportError)
+            try:
+                if i == 0:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.1)
+            except BaseException:
+                pass
+        print("ran on")
+    """)
+    assert r.returncode == -signal.SIGTERM, (r.returncode, r.stdout, r.stderr[-2000:])
+    assert "ran on" not in r.stdout and seconds < 30
+
+
+def test_a_stage_that_took_the_sigterm_for_its_own_failure_publishes_nothing():
+    r, _ = _run("""
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)
+        except BaseException:
+            pass  # recorded as the stage's failure
+        end_if_terminated()  # before the result is published
+        print("published")
+    """)
+    assert r.returncode == -signal.SIGTERM and "published" not in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])
