@@ -72,6 +72,53 @@ def test_the_switchable_session_computes_the_written_graph(tmp_path, high):
     assert np.abs(full - run(feeds[1])["y"]).max() > 1e-3  # and quantizing does change the output
 
 
+def _model_with_if(path):
+    """Conv -> Relu, and an If whose branches read the Relu's output from the outer scope (as Silero VAD's decoder reads
+    its encoder's), then a Conv: the Relu's fp16 rounding, left out of the switchable graph, must not leave the
+    branches reading a value nothing makes."""
+    rng = np.random.default_rng(0)
+    w0 = numpy_helper.from_array((rng.standard_normal((8, 3, 3, 3)) * 0.3).astype(np.float32), "w0")
+    w1 = numpy_helper.from_array((rng.standard_normal((4, 8, 1, 1)) * 0.3).astype(np.float32), "w1")
+    half = numpy_helper.from_array(np.array(0.5, np.float32), "half")
+    zero = numpy_helper.from_array(np.array(0.0, np.float32), "zero")
+    r0 = helper.make_tensor_value_info("r0", TensorProto.FLOAT, [1, 8, 12, 12])
+    then = helper.make_graph([helper.make_node("Identity", ["r0"], ["t"], name="then_id")], "then", [],
+                             [helper.make_tensor_value_info("t", TensorProto.FLOAT, [1, 8, 12, 12])])
+    other = helper.make_graph([helper.make_node("Mul", ["r0", "half"], ["e"], name="else_mul")], "else", [],
+                              [helper.make_tensor_value_info("e", TensorProto.FLOAT, [1, 8, 12, 12])])
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["c0"], pads=[1, 1, 1, 1], name="conv0"),
+             helper.make_node("Relu", ["c0"], ["r0"], name="relu0"),
+             helper.make_node("ReduceSum", ["x"], ["total"], keepdims=0, name="sum"),
+             helper.make_node("Greater", ["total", "zero"], ["cond"], name="cond"),
+             helper.make_node("If", ["cond"], ["picked"], then_branch=then, else_branch=other, name="pick"),
+             helper.make_node("Conv", ["picked", "w1"], ["y"], name="conv1")]
+    graph = helper.make_graph(nodes, "with_if", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 12, 12])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 12, 12])],
+                              [w0, w1, half, zero], value_info=[r0])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.save(m, str(path))
+    return path
+
+
+def test_a_branch_reading_a_selected_value_from_outside_reads_it_in_the_switchable_graph(tmp_path):
+    from tasks.quantization.sensitivity import Switchable
+
+    path = _model_with_if(tmp_path / "m.onnx")
+    rng = np.random.default_rng(1)
+    feeds = [{"x": rng.standard_normal((1, 3, 12, 12)).astype(np.float32) + m} for m in (0.5, -0.5)]  # both branches
+    ranges, _ = ranges_from_feeds(path, feeds, "minmax", tmp_path)
+    q = Quantizer(path, ranges, "int8", "fp16")
+    run = ort_runner(path)
+    s = Switchable(q, feeds, [run(f) for f in feeds])  # ONNX Runtime loads it
+    assert s.layers == ["conv0", "conv1"]
+    for names in ([], ["conv0"], ["conv0", "conv1"]):
+        written = precision_runner(q.model(names))[0]
+        for f in feeds:
+            got, want = s._run(set(names), f)["y"], written(f)["y"]
+            assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max(), names
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_judgement_refused_early_is_one_the_whole_set_refuses(workers):
     """meets_target stops running feeds once those run cannot reach the target whatever the rest gives (their error
