@@ -148,10 +148,21 @@ def rename_values(g: onnx.GraphProto, mapping: dict[str, str]) -> None:
     for vi in list(g.value_info) + list(g.output) + list(g.input):
         vi.name = mapping.get(vi.name, vi.name)
     for n in g.node:
-        n.input[:] = [mapping.get(i, i) for i in n.input]
         n.output[:] = [mapping.get(o, o) for o in n.output]
+    redirect_reads(g.node, mapping)
+
+
+def redirect_reads(nodes: Iterable[onnx.NodeProto], mapping: dict[str, str]) -> None:
+    """``nodes`` read ``mapping[v]`` where they read ``v``: their inputs and what their control-flow bodies read from
+    the outer scope (a body's own value of that name shadows it). A rewrite that makes a value under another name
+    must redirect the bodies too: an If or Loop reads outer values without naming them as inputs."""
+    if not mapping:
+        return
+    for n in nodes:
+        n.input[:] = [mapping.get(i, i) for i in n.input]
         for sub in subgraphs(n):
-            own = {o for x in sub.node for o in x.output} | {i.name for i in sub.input} | {t.name for t in sub.initializer}
+            own = {o for x in sub.node for o in x.output} | {i.name for i in sub.input} | \
+                {t.name for t in sub.initializer}
             inner = {k: v for k, v in mapping.items() if k not in own}
             if inner:
                 rename_values(sub, inner)

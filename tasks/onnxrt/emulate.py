@@ -20,7 +20,7 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from tasks.graph.edit import name_allocator, rename_values, subgraphs
+from tasks.graph.edit import name_allocator, redirect_reads, subgraphs
 
 H, F = TensorProto.FLOAT16, TensorProto.FLOAT
 # layers TensorRT fuses a DequantizeLinear on their input into (the int8 kernel and its epilogue, e.g. a residual Add);
@@ -65,8 +65,7 @@ def fp16_rounded(model: onnx.ModelProto) -> onnx.ModelProto:
             for inp in g.input:  # an fp16 input stays fp16 at the border; inside, its fp32 copy
                 if inp.type.tensor_type.elem_type == H:
                     inner = fresh(inp.name + "_emul_f32")
-                    for n in g.node:
-                        n.input[:] = [inner if x == inp.name else x for x in n.input]
+                    redirect_reads(g.node, {inp.name: inner})
                     nodes.append(helper.make_node("Cast", [inp.name], [inner], to=F, name=node_name(inner + "_cast")))
         outputs16 = {o.name for o in g.output if o.type.tensor_type.elem_type == H} if top else set()
         renamed: dict[str, str] = {}
@@ -92,14 +91,7 @@ def fp16_rounded(model: onnx.ModelProto) -> onnx.ModelProto:
                     nodes.append(helper.make_node("Identity", [half], [out], name=node_name(out + "_out")))
                     border.add(id(nodes[-1]))
                     renamed[out] = back
-        if renamed:
-            for n in nodes:
-                if id(n) not in border:
-                    n.input[:] = [renamed.get(x, x) for x in n.input]
-                    for sub in subgraphs(n):  # outer-scope reads of a renamed graph output (unless shadowed)
-                        own = {o for x in sub.node for o in x.output} | {i.name for i in sub.input} | \
-                            {t.name for t in sub.initializer}
-                        rename_values(sub, {k: v for k, v in renamed.items() if k not in own})
+        redirect_reads([n for n in nodes if id(n) not in border], renamed)
         del g.node[:]
         g.node.extend(nodes)
 

@@ -6,6 +6,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from tasks.graph.edit import redirect_reads
+
 LAYERS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
 
 
@@ -50,7 +52,6 @@ def bypass(g, dq, new: str) -> None:
     """Remove a DequantizeLinear: every reader of its output reads `new`; a graph output keeps its name (Identity)."""
     old = dq.output[0]
     g.node.remove(dq)
-    for n in g.node:
-        n.input[:] = [new if v == old else v for v in n.input]
+    redirect_reads(g.node, {old: new})
     if any(o.name == old for o in g.output):
         g.node.append(onnx.helper.make_node("Identity", [new], [old], name=f"{old}_passthrough"))

@@ -21,7 +21,7 @@ from onnx import TensorProto, helper
 from tasks.accuracy.nonfinite import on_finite_reference
 from tasks.accuracy.metrics import cosine, pooled_cosine_of, pooled_estimate, pooled_sums
 from tasks.common.memory import release_freed_memory
-from tasks.graph.edit import rename_values, subgraphs
+from tasks.graph.edit import redirect_reads
 from tasks.graph.footprint import elem_types, itemsize, value_bytes
 from tasks.onnxrt.ort import RunControl, ordered_runs, ort_run, ort_session, run_workers, runs_alone
 from tasks.search.judging import meets_target, output_norms
@@ -393,21 +393,14 @@ def _without_exact_rounding(m: onnx.ModelProto) -> onnx.ModelProto:
     if not drop:
         return m
     keep = [n for n in g.node if id(n) not in drop]
-    for n in keep:
-        n.input[:] = [rename.get(x, x) for x in n.input]
-    for o in g.output:  # a rounded value that is a graph output keeps its name
+    for o in g.output:  # a rounded value that is a graph output keeps its name: the raw value is made under it
         if o.name in rename:
             raw = rename.pop(o.name)
             for n in keep:
-                n.input[:] = [o.name if x == raw else x for x in n.input]
                 n.output[:] = [o.name if x == raw else x for x in n.output]
-    for n in keep:  # a control-flow body's reads of a dropped rounding (silero_vad_half: an If reads a Relu's output)
-        for sub in subgraphs(n):
-            own = {o for x in sub.node for o in x.output} | {i.name for i in sub.input} | \
-                {t.name for t in sub.initializer}
-            inner = {k: v for k, v in rename.items() if k not in own}
-            if inner:
-                rename_values(sub, inner)
+            rename[raw] = o.name
+    # control-flow bodies too (Silero VAD's decoder If reads its encoder's Relu from the outer scope)
+    redirect_reads(keep, rename)
     del g.node[:]
     g.node.extend(keep)
     return m

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from tasks.common.deps import note
 from tasks.common.errors import ConfigError, cause
+from tasks.graph.edit import redirect_reads
 
 SUFFIXES = (".pdmodel", ".json")
 LEGACY_DIR = Path(sys.prefix) / "paddle2onnx-1.3.1"  # `make paddle` installs paddle2onnx 1.3.1 here (--target)
@@ -152,7 +153,7 @@ def rename_fetch_outputs(model) -> list[str]:
             del renames[old]
     for n in model.graph.node:
         n.output[:] = [renames.get(v, v) for v in n.output]
-        n.input[:] = [renames.get(v, v) for v in n.input]
+    redirect_reads(model.graph.node, renames)
     for o in model.graph.output:
         if o.name in renames:
             notes.append(f"output {o.name!r} renamed {renames[o.name]!r}")
