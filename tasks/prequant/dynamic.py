@@ -16,7 +16,7 @@ def float_from_dynamic(g, inits, left: dict | None = None) -> int:
     Conv1d computes its weight in the graph) is quantized at run time by a DynamicQuantizeLinear of its own: the float
     layer reads that float weight. A bias quantized at run time to the output's int32 scale and added before the Cast
     (Add(ConvInteger, Reshape(Cast(Floor(Div(b, scale_x * scale_w)))))), as older ONNX Runtime quantizers wrote it,
-    becomes the float layer's bias b. Returns the count; ``left`` gets {node name: why it stays native} for the
+    becomes the float layer's bias b (the product in the Div the output's scale, or a Mul of the same two scales). Returns the count; ``left`` gets {node name: why it stays native} for the
     rest."""
     producers, consumers = links(g)
     count = 0
@@ -120,9 +120,17 @@ def _int32_bias(add, product: str, scales: str, producers, inits) -> str | None:
     n = producers.get(n.input[0])
     if n is not None and n.op_type in ("Floor", "Round"):
         n = producers.get(n.input[0])
-    if n is None or n.op_type != "Div" or n.input[1] != scales or n.input[0] not in inits:
+    if n is None or n.op_type != "Div" or not _one_product(n.input[1], scales, producers) or n.input[0] not in inits:
         return None
     return n.input[0]
+
+
+def _one_product(a: str, b: str, producers) -> bool:
+    """Whether values ``a`` and ``b`` are one product: the same value, or two Muls of the same two values (ddddocr's
+    quantizer computed the bias's scale_x * scale_w with a Mul of its own)."""
+    pa, pb = producers.get(a), producers.get(b)
+    return a == b or (pa is not None and pb is not None and pa.op_type == pb.op_type == "Mul"
+                      and sorted(pa.input) == sorted(pb.input))
 
 
 def _out_channels(node, inits, producers) -> int | None:

@@ -83,10 +83,11 @@ def test_1d_conv_integer_dequantizes_to_one_tensorrt_graph_matching_the_shipped_
     assert r.metrics["trt_subgraphs"] == 1 and r.details["fallback_nodes"] == [], (r.metrics, r.details["fallback_nodes"])
 
 
-def with_int32_bias(m: onnx.ModelProto) -> onnx.ModelProto:
+def with_int32_bias(m: onnx.ModelProto, own_product: bool = False) -> onnx.ModelProto:
     """quantize_dynamic's Conv with a float bias added after the output scale, rewritten to the form older ONNX Runtime
     quantizers (and models shipped with them, e.g. Kokoro TTS) wrote: the bias rounded at run time to the int32
-    product's scale and added before the Cast, Add(ConvInteger, Reshape(Cast(Floor(Div(b, scale_x * scale_w)))))."""
+    product's scale and added before the Cast, Add(ConvInteger, Reshape(Cast(Floor(Div(b, scale_x * scale_w))))).
+    ``own_product``: the Div's scale_x * scale_w computed by a Mul of its own (ddddocr's older recognizer)."""
     g = m.graph
     by_out = {o: n for n in g.node for o in n.output}
     for add in [n for n in g.node if n.op_type == "Add" and n.input[0] in by_out and by_out[n.input[0]].op_type == "Mul"]:
@@ -96,7 +97,8 @@ def with_int32_bias(m: onnx.ModelProto) -> onnx.ModelProto:
         reshape = by_out[add.input[1]]
         b, shape, scale = reshape.input[0], reshape.input[1], mul.input[1]
         p = conv.output[0] + "_b"
-        nodes = [helper.make_node("Div", [b, scale], [p + "_div"]), helper.make_node("Floor", [p + "_div"], [p + "_floor"]),
+        own = [helper.make_node("Mul", list(by_out[scale].input)[::-1], [p + "_scale"])] if own_product else []
+        nodes = [*own, helper.make_node("Div", [b, p + "_scale" if own else scale], [p + "_div"]), helper.make_node("Floor", [p + "_div"], [p + "_floor"]),
                  helper.make_node("Cast", [p + "_floor"], [p + "_int"], to=T.INT32),
                  helper.make_node("Reshape", [p + "_int", shape], [p + "_reshaped"]),
                  helper.make_node("Add", [conv.output[0], p + "_reshaped"], [p + "_added"])]
@@ -109,15 +111,16 @@ def with_int32_bias(m: onnx.ModelProto) -> onnx.ModelProto:
     return m
 
 
-def test_1d_conv_integer_with_an_int32_bias_before_the_scale_dequantizes(tmp_path):
+@pytest.mark.parametrize("own_product", [False, True])
+def test_1d_conv_integer_with_an_int32_bias_before_the_scale_dequantizes(tmp_path, own_product):
     """A Conv1d whose bias is quantized at run time to the output's int32 scale and added before the Cast (80 of a
-    shipped TTS model's 87 ConvIntegers) becomes a float Conv with that bias, within dynamic quantization's error of
-    the model as shipped."""
+    shipped TTS model's 87 ConvIntegers; all 21 of ddddocr's older recognizer, whose bias scale is a Mul of its own)
+    becomes a float Conv with that bias, within dynamic quantization's error of the model as shipped."""
     from onnxruntime.quantization import quantize_dynamic
 
     quantize_dynamic(str(conv1d_model(tmp_path / "float.onnx", False)), str(tmp_path / "dynamic.onnx"),
                      op_types_to_quantize=["Conv"])
-    shipped = with_int32_bias(onnx.load(str(tmp_path / "dynamic.onnx")))
+    shipped = with_int32_bias(onnx.load(str(tmp_path / "dynamic.onnx")), own_product)
     onnx.save(shipped, str(tmp_path / "int32_bias.onnx"))
     conv = next(n for n in shipped.graph.node if n.op_type == "ConvInteger" and n.output[0].startswith("c1"))
     assert [n.op_type for n in shipped.graph.node if conv.output[0] in n.input] == ["Add"]  # the bias before the Cast
