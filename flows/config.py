@@ -162,9 +162,11 @@ def preflight(cfg: DictConfig, config_dir: str | None = None, budget: Any = None
     model, inputs, outputs, prequant = model_io(cfg, search, budget)
     inputs = bind_constants(cfg, inputs)
     check_outputs(cfg, outputs)
-    calibrates = bool(p.quantized) and not prequant
+    calibrates = calibrates_of(cfg, prequant)
     if calibrates and not cal.data and m.images is None:
-        raise ConfigError(f"precision={p.name} needs calibration data: calibration.data is not set and model {m.name} has no images recipe",
+        why = " (model.dequantize_dynamic=true makes the model float: it is calibrated anew)" if prequant else ""
+        raise ConfigError(f"precision={p.name} needs calibration data{why}: calibration.data is not set and model "
+                          f"{m.name} has no images recipe",
                           fix="set calibration.data=path/to/samples.npz (or a folder of .npz/.npy, one array per input name)")
     if m.images is not None and m.images.input not in [i.name for i in inputs]:
         raise ConfigError(f"model.images.input={m.images.input!r} is not an input of the model",
@@ -177,6 +179,14 @@ def preflight(cfg: DictConfig, config_dir: str | None = None, budget: Any = None
     return BuildInputs(backend=backend, inputs=inputs, outputs=outputs, profiles=profiles, rules=rules, search=search,
                        prequantized=prequant, data=data, traffic=traffic, memory_estimate=estimate, warnings=warnings,
                        resident=resident)
+
+
+def calibrates_of(cfg: DictConfig, prequant: dict | None) -> bool:
+    """Whether the build calibrates: a quantized precision of a float model, or of a dynamically quantized one that
+    model.dequantize_dynamic=true turns into float (``prequant``: the quantization the model arrived with)."""
+    if not cfg.precision.quantized:
+        return False
+    return not prequant or bool(cfg.model.dequantize_dynamic and prequant.get("dynamic"))
 
 
 def memory_fit(model: Any, path: Path, profiles: list, inputs: list, data: Any, traffic: Any,
@@ -210,7 +220,7 @@ def after_export(cfg: DictConfig, inputs: BuildInputs, onnx_path: Path, budget: 
     data = inputs.data
     if domains:
         rules = dataclasses.replace(inputs.rules, domains=domains)
-        calibrates = bool(cfg.precision.quantized) and not inputs.prequantized
+        calibrates = calibrates_of(cfg, inputs.prequantized)
         data = data_of(cfg, inputs.inputs, inputs.profiles, rules, calibrates)[0]
         inputs = dataclasses.replace(inputs, rules=rules)
     estimate, warnings = memory_fit(model, Path(onnx_path), inputs.profiles, inputs.inputs, data, inputs.traffic, budget,

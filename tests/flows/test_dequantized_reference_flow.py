@@ -65,6 +65,25 @@ def test_the_dequantized_reference_needs_the_dequantized_build(dyn_dir, tmp_path
         preflight(cfg, str(dyn_dir))
 
 
+def test_int8_of_a_dynamically_quantized_model_dequantized_is_calibrated_anew(prefect_harness, dyn_dir, tmp_path):
+    """model.dequantize_dynamic=true at int8 makes the model float, then calibrates it like any float model: preflight
+    asks for calibration data before any stage (exit 2, no run), and with data the build quantizes its layers."""
+    import numpy as np
+
+    from flows.config import compose_config, preflight
+    from tasks.common.errors import ConfigError
+
+    cfg = compose_config(["model=dyn", "precision=int8", "model.dequantize_dynamic=true", f"out_dir={tmp_path}"],
+                         str(dyn_dir))
+    with pytest.raises(ConfigError, match=r"needs calibration data \(model.dequantize_dynamic=true makes the model"):
+        preflight(cfg, str(dyn_dir))
+    np.savez(tmp_path / "cal.npz", x=np.random.default_rng(0).standard_normal((16, 3, 16, 16)).astype(np.float32))
+    s = build(["model=dyn", "precision=int8", "model.dequantize_dynamic=true", f"calibration.data={tmp_path / 'cal.npz'}",
+               "stages.benchmark=false"], dyn_dir, tmp_path / "c")
+    assert s["status"] == "ok", s.get("error")
+    assert s["metrics"]["quantized_layers"] >= 1 and s["stages"]["calibrate"]["status"] == "ok"
+
+
 @pytest.mark.slow
 def test_a_dynamically_quantized_conv1d_with_weights_in_the_graph_builds_as_one_engine(prefect_harness, tmp_path):
     """ONNX Runtime's quantize_dynamic of weight-normed Conv1d layers (uint8 activations and uint8 weights, both
