@@ -171,6 +171,8 @@ def preflight(cfg: DictConfig, config_dir: str | None = None, budget: Any = None
     if m.images is not None and m.images.input not in [i.name for i in inputs]:
         raise ConfigError(f"model.images.input={m.images.input!r} is not an input of the model",
                           fix=f"use one of {[i.name for i in inputs]}")
+    if m.images is not None:
+        check_image_input(m.images, inputs)
     profiles, rules, traffic = shapes_of(cfg, model, inputs, search)
     data, user = data_of(cfg, inputs, profiles, rules, calibrates)
     check_labels(cfg, user)
@@ -280,6 +282,44 @@ def check_settings(cfg: DictConfig, config_dir: str | None) -> None:
         elif src not in schema.SYNTHETIC_IMAGES:
             raise ConfigError(f"model.images.source={src!r} is unknown",
                               fix=f"use {_in_words((*schema.SYNTHETIC_IMAGES, 'a folder of images'))}")
+        check_recipe(m.images)
+
+
+def check_recipe(images: DictConfig) -> None:
+    """model.images: a known channel order and layout, and a mean and std per channel (GRAY: one value)."""
+    for key, choices in (("channel_order", schema.CHANNEL_ORDERS), ("layout", schema.IMAGE_LAYOUTS)):
+        if str(images[key]).upper() not in choices:
+            raise ConfigError(f"model.images.{key}={images[key]!r} is unknown", fix=f"use {_in_words(choices)}")
+    gray = str(images.channel_order).upper() == "GRAY"
+    for key in ("mean", "std"):
+        values = list(images[key])
+        if gray and len(set(values)) > 1:
+            raise ConfigError(f"model.images.{key}={values} has one value per colour channel, but "
+                              "channel_order=GRAY gives one channel", fix=f"give one value, e.g. {key}: [{values[0]}]")
+        if not gray and len(values) not in (1, 3):
+            raise ConfigError(f"model.images.{key}={values} needs one value per channel ({images.channel_order}: 3)",
+                              fix=f"give 3 values, e.g. {key}: [{', '.join([str(values[0])] * 3)}]")
+        if key == "std" and any(v == 0 for v in values):
+            raise ConfigError(f"model.images.std={values} has a 0 (the images are divided by it)",
+                              fix="e.g. std: [1.0, 1.0, 1.0]")
+
+
+def check_image_input(images: DictConfig, inputs: list) -> None:
+    """The input model.images feeds has the recipe's channels where the model fixes them (3, or 1 for GRAY): a
+    greyscale model fed colour images fails only deep inside a stage otherwise."""
+    i = next(i for i in inputs if i.name == images.input)
+    axis = 1 if str(images.layout).upper() == "NCHW" else 3
+    want = 1 if str(images.channel_order).upper() == "GRAY" else 3
+    have = i.shape[axis] if len(i.shape) == 4 else None
+    if len(i.shape) != 4:
+        raise ConfigError(f"model.images.input={images.input!r} has shape {list(i.shape)}: images feed a 4-D input "
+                          f"({str(images.layout).upper()})", fix="give calibration.data instead, or name a 4-D input")
+    if isinstance(have, int) and have > 0 and have != want:
+        fix = "channel_order: GRAY" if have == 1 else "channel_order: RGB or BGR" if have == 3 else \
+            "calibration.data instead of model.images"
+        raise ConfigError(f"model.images: channel_order={images.channel_order} gives {want} channel(s), but input "
+                          f"{images.input!r} has {have} (shape {list(i.shape)}, {str(images.layout).upper()})",
+                          fix=f"use {fix}" + (", or the other model.images.layout" if have not in (1, 3) else ""))
 
 
 def check_numbers(cfg: DictConfig, config_dir: str | None) -> None:

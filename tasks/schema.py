@@ -20,6 +20,8 @@ ASYMMETRIC_MODES = ("exact", "int8", "float")
 CALIBRATION_METHODS = ("entropy", "minmax", "percentile")
 ACCURACY_METRICS = ("cosine", "allclose", "top1")  # built in; any other value names a module:function
 SYNTHETIC_IMAGES = ("synthetic:text",)
+CHANNEL_ORDERS = ("BGR", "RGB", "GRAY")  # model.images.channel_order (any case): GRAY is one channel, ITU-R 601 luma
+IMAGE_LAYOUTS = ("NCHW", "NHWC")
 
 
 def one_of(default: Any, choices: tuple[str, ...]) -> Any:
@@ -58,11 +60,11 @@ class ImageRecipe:
     input: str = "x"  # the model input the images feed
     height: int = 640
     width: int = 640
-    channel_order: str = "BGR"  # BGR or RGB
+    channel_order: str = "BGR"  # one of CHANNEL_ORDERS (checked by preflight, in any case)
     scale: float = 0.00392156862745098  # 1/255
-    mean: List[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+    mean: List[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # per channel (GRAY: one value, or equal ones)
     std: List[float] = field(default_factory=lambda: [1.0, 1.0, 1.0])
-    layout: str = "NCHW"
+    layout: str = "NCHW"  # one of IMAGE_LAYOUTS
 
 
 @dataclass

@@ -71,13 +71,22 @@ def list_images(folder: str, key: str) -> list[Path]:
     return files
 
 
+LUMA = (0.299, 0.587, 0.114)  # ITU-R 601-2, as PIL's convert("L")
+
+
 def preprocess(images: list[np.ndarray], recipe: Any) -> np.ndarray:
-    """RGB uint8 HxWx3 images -> a float32 batch, following the recipe (channel order, scale, mean, std, layout)."""
+    """RGB uint8 HxWx3 images -> a float32 batch, following the recipe (channel order, scale, mean, std, layout);
+    GRAY: one channel of luma, its mean and std the recipe's first (preflight checks they are one value)."""
     x = np.stack(images).astype(np.float32)
-    if str(recipe["channel_order"]).upper() == "BGR":
+    order = str(recipe["channel_order"]).upper()
+    mean, std = np.asarray(recipe["mean"], np.float32), np.asarray(recipe["std"], np.float32)
+    if order == "BGR":
         x = x[..., ::-1]
+    elif order == "GRAY":
+        x = (x @ np.asarray(LUMA, np.float32))[..., None]
+        mean, std = mean[:1], std[:1]
     x = x * float(recipe["scale"])
-    x = (x - np.asarray(recipe["mean"], np.float32)) / np.asarray(recipe["std"], np.float32)
+    x = (x - mean) / std
     if str(recipe["layout"]).upper() == "NCHW":
         x = x.transpose(0, 3, 1, 2)
     return np.ascontiguousarray(x, dtype=np.float32)

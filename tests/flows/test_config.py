@@ -57,6 +57,26 @@ def test_bad_input_is_refused_before_heavy_work(overrides, words, user_config_di
     assert words in msg and "fix:" in msg
 
 
+@pytest.mark.parametrize("recipe, words", [
+    ("channel_order: YUV", "model.images.channel_order='YUV' is unknown"),
+    ("layout: NWHC", "use NCHW or NHWC"),
+    ("channel_order: gray", "channel_order=gray gives 1 channel(s), but input 'x' has 3"),
+    ("{channel_order: GRAY, mean: [0.4, 0.5, 0.6]}", "channel_order=GRAY gives one channel"),
+    ("{std: [0.5, 0.0, 0.5]}", "has a 0"),
+])
+def test_an_images_recipe_that_cannot_feed_the_input_is_refused(recipe, words, tmp_path, tiny_onnx):
+    """model.images: its channel order and layout are known ones (GRAY, RGB, BGR in any case), its mean and std hold a
+    value per channel, and it gives the input the channels the model fixes (tiny's x: 3)."""
+    extra = recipe.strip("{}")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "t.yaml").write_text(
+        f"name: t\nformat: onnx\nsource: {tiny_onnx}\n"
+        "profiles:\n  - x: {min: [1, 3, 8, 8], opt: [2, 3, 16, 16], max: [4, 3, 32, 32]}\n"
+        f"images: {{source: 'synthetic:text', input: x, height: 16, width: 16, {extra}}}\n")
+    msg = refused(["model=t", "precision=int8"], str(tmp_path))
+    assert words in msg and "fix:" in msg
+
+
 def test_sm_90_needs_enterprise_tensorrt_on_that_gpu(user_config_dir):
     from tasks.trt.backend import gpu_for
     from tasks.common.errors import UnavailableError

@@ -24,6 +24,23 @@ def test_a_folder_of_images_feeds_the_model_through_the_recipe(tmp_path):
     assert feeds[1]["x"].std() > 0.05  # real content, not a constant
 
 
+def test_a_greyscale_recipe_feeds_one_channel_of_luma():
+    """channel_order=GRAY: one channel, PIL's luma of the RGB image (ITU-R 601-2), scaled, with one mean and std."""
+    import numpy as np
+    from PIL import Image
+
+    from tasks.data.samples import preprocess
+
+    rgb = np.random.default_rng(0).integers(0, 256, (2, 8, 12, 3), dtype=np.uint8)
+    recipe = {"channel_order": "GRAY", "scale": 1 / 255, "mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5],
+              "layout": "NCHW"}
+    x = preprocess(list(rgb), recipe)
+    assert x.shape == (2, 1, 8, 12)
+    luma = np.stack([np.asarray(Image.fromarray(im).convert("L"), np.float32) for im in rgb])
+    # PIL rounds its luma to whole levels: within half a level of it
+    assert np.abs((x[:, 0] * 0.5 + 0.5) * 255 - luma).max() <= 0.5 + 1e-3
+
+
 def test_synthetic_text_pages_have_text():
     img = render_text_image(256, 256, np.random.default_rng(1))
     assert img.shape == (256, 256, 3) and (img < 100).mean() > 0.005  # dark glyph pixels on a light page
