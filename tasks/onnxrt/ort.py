@@ -20,6 +20,15 @@ from tasks.common.errors import StageError, cause
 OPTIMIZATION = ("all", "basic", "none")
 
 
+def quiet_onnxruntime() -> None:
+    """ONNX Runtime's default logger at errors only. Sessions that libraries make (ONNX Runtime's own calibrator's)
+    log with it, and their warnings ("Error merging shape info for output ...") reached the user's console; what
+    matters to a build, trtforge says itself."""
+    import onnxruntime as ort
+
+    ort.set_default_logger_severity(3)
+
+
 def ort_session(model: Path | bytes, *, optimization: str = "all", threads: int = 0, spinning: bool = False,
                 arena: bool = True, stage: str = "validate", file: str | None = None, exact: bool = True,
                 mem_pattern: bool = True):
@@ -34,6 +43,7 @@ def ort_session(model: Path | bytes, *, optimization: str = "all", threads: int 
     pick its integer kernels (the benchmark: how fast this host runs the model, not what it computes)."""
     import onnxruntime as ort
 
+    quiet_onnxruntime()
     if optimization not in OPTIMIZATION:
         raise ValueError(f"optimization={optimization!r}: use one of {OPTIMIZATION}")
     qdq = False

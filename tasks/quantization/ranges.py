@@ -27,7 +27,7 @@ import numpy as np
 
 from tasks.common.errors import StageError, cause
 from tasks.common.memory import release_freed_memory
-from tasks.onnxrt.ort import ordered_runs, ort_session, run_workers, runs_alone
+from tasks.onnxrt.ort import ordered_runs, ort_session, quiet_onnxruntime, run_workers, runs_alone
 from tasks.quantization.qdq import QUANT_OPS, RESIDUAL_OPS, private_model_path, quantized_activations
 from tasks.schema import CALIBRATION_METHODS
 
@@ -94,6 +94,7 @@ def _calibrate(model_path: Path, feeds, method: str, work: Path, on_sample=None)
         cm, opts = CalibrationMethod.Percentile, {"num_bins": HIST_BINS, "percentile": PERCENTILE, "symmetric": True}
     else:
         cm, opts = CalibrationMethod.MinMax, {"symmetric": True}
+    quiet_onnxruntime()  # the calibrator's own session logs with the default logger
     try:
         with contextlib.redirect_stdout(io.StringIO()), private_model_path(model_path) as private:
             cal = create_calibrator(private, list(QUANT_OPS + RESIDUAL_OPS), augmented_model_path=str(work / "augmented.onnx"),

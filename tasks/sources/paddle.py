@@ -134,6 +134,9 @@ def _load_check(path: Path, model_file: Path) -> None:
     """paddle2onnx can write ONNX that ONNX Runtime refuses (Paddle 2.x rec/cls with 2.1.0): check it loads."""
     import onnxruntime as ort
 
+    from tasks.onnxrt.ort import quiet_onnxruntime
+
+    quiet_onnxruntime()
     try:
         ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     except Exception as e:

@@ -145,3 +145,25 @@ def test_calibration_writes_nothing_beside_the_model(tmp_path):
     assert {n.op_type for n in q.qdq(q.layers).graph.node} >= {"QuantizeLinear", "DequantizeLinear", "Conv"}
     assert sorted(p.name for p in models.iterdir()) == ["m-inferred.onnx", "m.onnx"]
     assert not any((models / "m-inferred.onnx").iterdir())
+
+
+def test_calibration_prints_none_of_onnx_runtimes_warnings(tmp_path):
+    """ONNX Runtime's calibrator makes a session of its own with the default logger: a model whose declared output
+    shape disagrees with the graph (ddddocr's: [1, seqlen] for a 3-D value) made it print a warning on the user's
+    console. Run in a fresh process: the default logger is per process."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((4, 3, 3, 3)).astype(np.float32), "w")
+    g = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "n"])], [w])  # declared 2-D
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), str(tmp_path / "m.onnx"))
+    code = ("import numpy as np; from pathlib import Path; from tasks.quantization.ranges import ranges_from_feeds; "
+            f"p = Path({str(tmp_path)!r}); feeds = [{{'x': np.ones((1, 3, 8, 8), np.float32)}}]; "
+            "ranges_from_feeds(p / 'm.onnx', feeds, 'entropy', p); print('done')")
+    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[3], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and "done" in r.stdout, r.stderr[-2000:]
+    assert "onnxruntime" not in r.stderr, r.stderr[-2000:]
