@@ -48,16 +48,42 @@ def _schema_keys(full_key: str) -> list[str]:
     return [f.name for f in fields(node)]
 
 
+def _optional_section(key: str) -> str | None:
+    """The section on ``key``'s path that the schema types as an optional block (e.g. 'model.images' for
+    'model.images.source'), None where there is none."""
+    import typing
+
+    node: Any = schema.Config
+    parts = key.lstrip("+").split(".")
+    for k, part in enumerate(parts):
+        tp = typing.get_type_hints(node).get(part) if is_dataclass(node) else None
+        args = typing.get_args(tp)
+        if args and type(None) in args and is_dataclass(next(a for a in args if a is not type(None))):
+            return ".".join(parts[:k + 1])
+        if not is_dataclass(tp):
+            return None
+        node = tp
+
+
 def _suggest(word: str, candidates: list[str]) -> str:
     m = difflib.get_close_matches(word, candidates, n=1, cutoff=0.5)
     return f"did you mean {m[0]!r}?" if m else f"valid keys: {', '.join(candidates)}"
 
 
-def translate(e: Exception, config_dir: str | None) -> ConfigError:
+def translate(e: Exception, config_dir: str | None, overrides: list[str] = ()) -> ConfigError:
     """Hydra/OmegaConf composition errors -> one short message with the key, the value and the fix."""
     text = str(e)
     cause = e.__cause__ or e.__context__
     full = text + ("\n" + str(cause) if cause else "")
+    if "NoneType" in full:  # an override into an optional block the config leaves unset (OmegaConf cannot merge into it)
+        for o in overrides:
+            key = o.split("=", 1)[0]
+            section = _optional_section(key)
+            if section is not None:
+                where = "the model's YAML" if section.startswith("model.") else "a YAML of your --config-dir"
+                return ConfigError(f"{key}: {section} is not set in this config, and an override cannot set it or a "
+                                   "key inside it", fix=f"write the whole {section.rsplit('.', 1)[-1]}: {{...}} "
+                                                        f"block into {where} (docs/models.md)")
     m = re.search(r"Could not find '(\w+)/([^']+)'", full)
     if m:
         group, value = m.groups()
@@ -116,7 +142,7 @@ def compose_config(overrides: list[str], config_dir: str | None = None) -> DictC
     except ConfigError:
         raise
     except Exception as e:
-        raise translate(e, config_dir) from None
+        raise translate(e, config_dir, overrides) from None
     finally:
         GlobalHydra.instance().clear()
     return cfg

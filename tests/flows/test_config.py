@@ -51,6 +51,7 @@ def test_composition_errors_name_the_key_and_suggest(overrides, words):
     (["model=tiny", "model.format=tf"], "model.format='tf' is not supported"),
     (["model=tiny", "model.reference=float"], "use shipped or dequantized"),
     (["model=tiny", "validation.data=/no/such/data.npz"], "validation.data"),
+    (["model=tiny", "model.images.source=synthetic:text"], "model.images is not set in this config"),
 ])
 def test_bad_input_is_refused_before_heavy_work(overrides, words, user_config_dir):
     msg = refused(overrides, str(user_config_dir))
