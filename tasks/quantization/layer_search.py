@@ -338,8 +338,13 @@ def judged_as_written(q: Quantizer, chosen: list[str], scorer: Switchable, feeds
         return None
     switched = scorer._run(set(chosen), feeds[0])
     for name, w in written[0].items():
-        ref = np.asarray(switched.get(name))
-        if ref.shape != np.shape(w) or np.abs(ref - w).max(initial=0.0) > WRITTEN_RTOL * np.abs(ref).max(initial=0.0):
+        ref, w = np.asarray(switched.get(name)), np.asarray(w)
+        if ref.shape != w.shape:
+            return None
+        if ref.dtype.kind not in "fc" or w.dtype.kind not in "fc":  # a mask, an index (a segment's outputs): equal
+            if not np.array_equal(ref, w):
+                return None
+        elif np.abs(ref - w).max(initial=0.0) > WRITTEN_RTOL * np.abs(ref).max(initial=0.0):
             return None
     (cos, se, bound), per_feed = known
     return Judged(cos, se, bound, worst=min((per_feed[k] for k in range(held)), default=None))

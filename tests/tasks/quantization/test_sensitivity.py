@@ -307,3 +307,29 @@ def test_a_runs_bytes_are_those_of_every_value_it_computes(tmp_path):
     every = _Capture(m, names)(feed)
     assert run_bytes(m, feed) == sum(a.nbytes for a in every.values()) > feed["x"].nbytes
     assert _value_sizes(m, names, feed) == _measured_sizes(m, names, feed)  # inferred here, measured alike
+
+
+def test_the_written_graph_of_a_segment_with_a_boolean_output_takes_the_searchs_figure(tmp_path):
+    """A TensorRT segment can hand a mask on to the rest of a model (Silero VAD half's decoder condition): the written
+    graph is compared with the search's session on it by equality, not by a difference of booleans (TypeError)."""
+    from tasks.quantization.layer_search import judged_as_written
+    from tasks.quantization.sensitivity import Switchable
+
+    m = onnx.load(str(_model(tmp_path / "base.onnx")))
+    zero = numpy_helper.from_array(np.array(0.0, np.float32), "zero")
+    m.graph.initializer.append(zero)
+    m.graph.node.extend([helper.make_node("ReduceSum", ["y"], ["total"], keepdims=0, name="sum"),
+                         helper.make_node("Greater", ["total", "zero"], ["positive"], name="positive")])
+    m.graph.output.append(helper.make_tensor_value_info("positive", TensorProto.BOOL, []))
+    path = tmp_path / "mask.onnx"
+    onnx.save(m, str(path))
+    rng = np.random.default_rng(3)
+    feeds = [{"x": rng.standard_normal((1, 3, 12, 12)).astype(np.float32)} for _ in range(3)]
+    ranges, _ = ranges_from_feeds(path, feeds, "minmax", tmp_path)
+    q = Quantizer(path, ranges, "int8", "fp16")
+    run = ort_runner(path)
+    s = Switchable(q, feeds, [run(f) for f in feeds])
+    chosen = q.layers[:2]
+    assert s.meets(chosen, 0.5)  # judged on every feed: the search's figure of these layers
+    judged = judged_as_written(q, chosen, s, feeds, held=len(feeds))
+    assert judged is not None and judged.cosine == s.met[frozenset(chosen)][0][0]
