@@ -374,7 +374,7 @@ def calibration_data(name: str, form: str, folder: Path, samples: int = CALIBRAT
         return None  # a dynamic input without a profile
     varying = {k: [i for i, (lo, hi) in enumerate(zip(r["min"], r["max"])) if lo != hi]
                for prof in cfg.get("profiles", [])[:1] for k, r in prof.items()}
-    if varying and any(varying.get(k, [None])[0] != 0 for k in specs):
+    if varying and any((varying.get(k) or [None])[0] != 0 for k in specs):
         form = "stacked"  # an input whose batch is not its axis 0 (silero's state [2, N, 128]) or that has no batch
     first = next(iter(specs.values()))[1]
     stacks = max(4, samples // (first[0] if first else 1))  # at least 4: validate holds a quarter out
