@@ -32,37 +32,37 @@ def options(group: str, config_dir: str | None = None) -> list[str]:
     return sorted(names, key=lambda n: (len(n), n)) if group == "target" else sorted(names)
 
 
-def _schema_keys(full_key: str) -> list[str]:
-    """Valid keys at the level of full_key (e.g. 'model.profile' -> the fields of ModelConfig)."""
+def _schema_walk(parts: list[str]):
+    """Along ``parts`` of a key: (the parts so far, the dataclass the schema types there, whether it types it as an
+    optional block), up to the first part that is not a field holding a dataclass."""
     import typing
 
     node: Any = schema.Config
-    for part in full_key.split(".")[:-1]:
+    for k, part in enumerate(parts):
         tp = typing.get_type_hints(node).get(part)
         args = typing.get_args(tp)
-        if args and type(None) in args:
+        optional = bool(args) and type(None) in args
+        if optional:
             tp = next(a for a in args if a is not type(None))
         if not is_dataclass(tp):
-            return []
+            return
+        yield parts[:k + 1], tp, optional
         node = tp
-    return [f.name for f in fields(node)]
+
+
+def _schema_keys(full_key: str) -> list[str]:
+    """Valid keys at the level of full_key (e.g. 'model.profile' -> the fields of ModelConfig)."""
+    parts = full_key.split(".")[:-1]
+    walked = list(_schema_walk(parts))
+    if len(walked) < len(parts):
+        return []
+    return [f.name for f in fields(walked[-1][1] if walked else schema.Config)]
 
 
 def _optional_section(key: str) -> str | None:
     """The section on ``key``'s path that the schema types as an optional block (e.g. 'model.images' for
     'model.images.source'), None where there is none."""
-    import typing
-
-    node: Any = schema.Config
-    parts = key.lstrip("+").split(".")
-    for k, part in enumerate(parts):
-        tp = typing.get_type_hints(node).get(part) if is_dataclass(node) else None
-        args = typing.get_args(tp)
-        if args and type(None) in args and is_dataclass(next(a for a in args if a is not type(None))):
-            return ".".join(parts[:k + 1])
-        if not is_dataclass(tp):
-            return None
-        node = tp
+    return next((".".join(p) for p, _, optional in _schema_walk(key.lstrip("+").split(".")) if optional), None)
 
 
 def _suggest(word: str, candidates: list[str]) -> str:

@@ -398,7 +398,7 @@ def _without_exact_rounding(m: onnx.ModelProto) -> onnx.ModelProto:
             raw = rename.pop(o.name)
             for n in keep:
                 n.output[:] = [o.name if x == raw else x for x in n.output]
-            rename[raw] = o.name
+            rename[raw] = o.name  # a control-flow body that reads the raw value reads it under its new name
     # control-flow bodies too (Silero VAD's decoder If reads its encoder's Relu from the outer scope)
     redirect_reads(keep, rename)
     del g.node[:]
