@@ -16,8 +16,8 @@ def float_from_dynamic(g, inits, left: dict | None = None) -> int:
     Conv1d computes its weight in the graph) is quantized at run time by a DynamicQuantizeLinear of its own: the float
     layer reads that float weight. A bias quantized at run time to the output's int32 scale and added before the Cast
     (Add(ConvInteger, Reshape(Cast(Floor(Div(b, scale_x * scale_w)))))), as older ONNX Runtime quantizers wrote it,
-    becomes the float layer's bias b (the product in the Div the output's scale, or a Mul of the same two scales). Returns the count; ``left`` gets {node name: why it stays native} for the
-    rest."""
+    becomes the float layer's bias b (the product in the Div the output's scale, or a Mul of the same two scales).
+    Returns the count; ``left`` gets {node name: why it stays native} for the rest."""
     producers, consumers = links(g)
     count = 0
     names = {n.name for n in g.node}

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tasks.common.deps import note
 from tasks.common.errors import ConfigError, cause
-from tasks.graph.edit import redirect_reads
+from tasks.graph.edit import rename_values
 
 SUFFIXES = (".pdmodel", ".json")
 LEGACY_DIR = Path(sys.prefix) / "paddle2onnx-1.3.1"  # `make paddle` installs paddle2onnx 1.3.1 here (--target)
@@ -148,19 +148,13 @@ def _load_check(path: Path, model_file: Path) -> None:
 
 def rename_fetch_outputs(model) -> list[str]:
     """paddle2onnx 2.x names outputs fetch_name_N: call them output_N (one name per graph output, in order)."""
-    notes = []
     renames = {o.name: f"output_{i}" for i, o in enumerate(model.graph.output) if o.name.startswith("fetch_name_")}
     taken = {v for n in model.graph.node for v in n.output} | {i.name for i in model.graph.input}
     for old, new in list(renames.items()):
         if new in taken:
             del renames[old]
-    for n in model.graph.node:
-        n.output[:] = [renames.get(v, v) for v in n.output]
-    redirect_reads(model.graph.node, renames)
-    for o in model.graph.output:
-        if o.name in renames:
-            notes.append(f"output {o.name!r} renamed {renames[o.name]!r}")
-            o.name = renames[o.name]
+    notes = [f"output {o.name!r} renamed {renames[o.name]!r}" for o in model.graph.output if o.name in renames]
+    rename_values(model.graph, renames)  # control-flow bodies' reads too
     return notes
 
 
