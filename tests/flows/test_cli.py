@@ -1,5 +1,6 @@
 """The CLI's exit (flows/cli.py exit_now): the status it was given, everything said reaches its reader, atexit handlers
-and non-daemon threads finish; only the interpreter's own teardown is skipped."""
+and non-daemon threads finish; only the interpreter's own teardown is skipped. Ctrl-C's exit (finish): the handlers
+run, for a bounded time."""
 from __future__ import annotations
 
 import subprocess
@@ -31,6 +32,45 @@ def test_exit_now_keeps_the_status_the_output_and_the_exit_handlers(tmp_path):
     assert p.returncode == 3
     assert p.stdout == "said" and p.stderr == "warned"
     assert marks.read_text() == "thread;atexit;"  # the thread joined first, then the handlers ran
+
+
+CTRL_C = r"""
+import atexit, sys, threading, time
+from pathlib import Path
+import flows.cli as cli
+out = Path(sys.argv[1])
+cli.EXIT_HANDLERS_SECONDS = 2.0
+def stuck_on_the_server():
+    threading.Event().wait()  # an exit handler that never ends (a drain that waits on a server which never answers)
+if sys.argv[2] == "stuck":
+    atexit.register(stuck_on_the_server)
+atexit.register(lambda: out.write_text("atexit;"))  # registered last: runs first
+def main():
+    raise KeyboardInterrupt
+cli.finish(main)
+"""
+
+
+def test_ctrl_c_runs_the_exit_handlers_but_never_waits_on_them_without_end(tmp_path):
+    """Ctrl-C: the exit handlers run (log flushes, temporary folders); one that never ends holds the process for
+    EXIT_HANDLERS_SECONDS at most, and the message names where it waits; either way the process ends by SIGINT."""
+    import signal
+    import time
+
+    for case in ("fine", "stuck"):
+        marks = tmp_path / case
+        t0 = time.monotonic()
+        p = subprocess.run([sys.executable, "-c", CTRL_C, str(marks), case], cwd=ROOT, capture_output=True, text=True,
+                           timeout=60)
+        assert p.returncode == -signal.SIGINT, (case, p.stderr)
+        assert marks.read_text() == "atexit;"
+        lines = p.stderr.strip().splitlines()
+        assert lines[0] == "trtforge: stopped by SIGINT"
+        if case == "fine":
+            assert len(lines) == 1 and time.monotonic() - t0 < 30
+        else:
+            assert len(lines) == 2 and "did not end within 2 s" in lines[1] and "stuck_on_the_server" in lines[1], lines
+            assert time.monotonic() - t0 >= 2.0
 
 
 def _cfg(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:

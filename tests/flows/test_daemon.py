@@ -133,6 +133,23 @@ def descendants(pid: int) -> set[int]:
     return out
 
 
+def ended(proc: subprocess.Popen, seconds: float, what: str) -> None:
+    """Wait for the CLI to end; if it does not, fail with where each of its threads waits (name, state, kernel wait
+    channel): a Ctrl-C that never ends a build is told apart from a build that ignored it."""
+    try:
+        proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        threads = []
+        for t in sorted(Path(f"/proc/{proc.pid}/task").glob("*")):
+            try:
+                name = (t / "comm").read_text().strip()
+                st = (t / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                threads.append(f"{name}:{st}:{(t / 'wchan').read_text().strip() or '-'}")
+            except OSError:
+                continue
+        raise AssertionError(f"{what}: not ended in {seconds:.0f} s; its threads: {', '.join(threads)}") from None
+
+
 def gone(pids) -> bool:
     return all(state(p) in ("X", "Z") for p in pids)
 
@@ -209,7 +226,7 @@ def test_ctrl_c_ctrl_z_and_sigterm_mid_build_end_it_the_same_way_warm_or_cold(bo
         os.killpg(proc.pid, signal.SIGCONT)
         wait_for(lambda: state(build) not in ("T", "X"), 30, f"{mode}: the build did not continue")
         os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(timeout=300)
+        ended(proc, 300, f"{mode}: Ctrl-C after Ctrl-Z and fg")
         wait_for(lambda: gone(procs), 60, f"{mode}: the build outlived Ctrl-C")
         interrupted = (proc.returncode, tail(proc.stderr.read()))
         # a job started with `&` from a script ignores Ctrl-C (its shell set SIGINT to ignored): so does its build;
