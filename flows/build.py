@@ -4,7 +4,12 @@ The flow, on one screen: export -> partition -> build -> calibrate -> validate -
 """
 from __future__ import annotations
 
-import json
+if __name__ == "__main__":  # Ctrl-C during the imports below: the CLI's one line, not a traceback from an import
+    from flows.local.termination import on_ctrl_c_while_starting
+
+    on_ctrl_c_while_starting()
+
+import json  # noqa: E402
 import os
 import shutil
 import socket
@@ -377,7 +382,9 @@ def cli(argv: list[str], started: float | None = None):
     """The CLI as its process runs it, in its own process or forked from a warm one (flows/local/daemon.py): the same
     output, exit status, SystemExit message and death by signal either way (flows/cli.py finish). Never returns."""
     from flows.cli import finish
+    from flows.local.termination import ctrl_c_as_keyboard_interrupt
 
+    ctrl_c_as_keyboard_interrupt()
     finish(lambda: main(argv, started=started))
 
 

@@ -155,6 +155,8 @@ def finish(main) -> None:
     (exit 1, traceback with TRTFORGE_TRACEBACK=1). Never returns."""
     import signal
 
+    from flows.local.termination import end_by
+
     try:
         code = main()
     except SystemExit as e:
@@ -165,11 +167,11 @@ def finish(main) -> None:
             print(code, file=sys.stderr)
             code = 1
     except KeyboardInterrupt:
-        _end_by(signal.SIGINT)
+        end_by(signal.SIGINT)
     except BaseException as e:  # noqa: BLE001
         sig = getattr(e, "signal", None)
         if type(e).__name__ == "TerminationSignal" and isinstance(sig, int):  # prefect.exceptions (not imported here)
-            _end_by(sig)
+            end_by(sig)
         if os.environ.get("TRTFORGE_TRACEBACK"):
             import traceback
 
@@ -177,44 +179,6 @@ def finish(main) -> None:
         print(f"trtforge: internal error: {type(e).__name__}: {e}", file=sys.stderr)
         code = 1
     exit_now(code)
-
-
-def _end_by(sig: int) -> None:
-    """One line on stderr, then the process ends by `sig` (as a process without a handler for it would); exit
-    handlers run for Ctrl-C as the interpreter runs them for an uncaught KeyboardInterrupt, not for SIGTERM, but for
-    at most EXIT_HANDLERS_SECONDS, and a second Ctrl-C meanwhile ends the process at once."""
-    import atexit
-    import signal
-    import threading
-
-    print(f"trtforge: stopped by {signal.Signals(sig).name}", file=sys.stderr)
-    if sig == signal.SIGINT:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C ends the process at once
-        watchdog = threading.Timer(EXIT_HANDLERS_SECONDS, _exit_handlers_overdue, (threading.main_thread().ident,))
-        watchdog.daemon = True
-        watchdog.start()
-        atexit._run_exitfuncs()
-        watchdog.cancel()
-    from flows.local.daemon import die_by
-
-    die_by(sig)
-
-
-EXIT_HANDLERS_SECONDS = 20.0  # Ctrl-C's exit handlers (log flushes, temporary folders, Prefect's last events) at most
-
-
-def _exit_handlers_overdue(thread: int) -> None:
-    """Ctrl-C's exit handlers still run after EXIT_HANDLERS_SECONDS: say where they wait, then end by SIGINT (its
-    handler is the default by now: the process ends as a second Ctrl-C would end it)."""
-    import signal
-    import traceback
-
-    frame = sys._current_frames().get(thread)
-    where = "; ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in traceback.extract_stack(frame)[-3:]) \
-        if frame is not None else "unknown"
-    print(f"trtforge: the exit handlers did not end within {EXIT_HANDLERS_SECONDS:.0f} s (waiting at {where}); "
-          "ended without them", file=sys.stderr, flush=True)
-    os.kill(os.getpid(), signal.SIGINT)
 
 
 def exit_now(code: int):

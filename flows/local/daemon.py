@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 from flows.local import private
+from flows.local.termination import die_by
 
 ROOT = Path(__file__).resolve().parents[2]
 IDLE_SECONDS = float(os.environ.get("TRTFORGE_DAEMON_IDLE") or os.environ.get("TRTFORGE_SERVER_IDLE") or "600")
@@ -190,21 +191,6 @@ def _follow(reader, child: int) -> int:
     print("trtforge: internal error: the warm build process ended without the build's exit status\n"
           "  fix: rerun without TRTFORGE_DAEMON=1 to build in this process, and report it", file=sys.stderr)
     return 1
-
-
-def die_by(sig: int):
-    """End this process by `sig`, as the build's process ended (the shell sees 128+sig)."""
-    for f in (sys.stdout, sys.stderr):
-        try:
-            f.flush()
-        except (OSError, ValueError):
-            pass
-    try:
-        signal.signal(sig, signal.SIG_DFL)
-        os.kill(os.getpid(), sig)
-    except (OSError, ValueError):
-        pass
-    os._exit(128 + sig)  # a signal that does not end a process (SIGCHLD, ...)
 
 
 def _killpg(pgid: int, sig: int) -> None:

@@ -1,4 +1,5 @@
-"""A SIGTERM that reaches a build mid-stage ends it by that signal, whatever code it arrives in.
+"""How a signal ends a build: a SIGTERM mid-stage ends it by that signal, whatever code it arrives in; Ctrl-C and
+SIGTERM end it with one line (``end_by``), in every phase of the CLI (``on_ctrl_c_while_starting``).
 
 Prefect's flow engine turns SIGTERM into an exception (TerminationSignal) raised wherever the main thread is, and code
 that catches broadly can take it for something else: arriving while a native module was being imported it became
@@ -9,9 +10,9 @@ then the process ends by the signal within TERM_GRACE seconds whatever catches t
 build checks ``end_if_terminated`` (a stage's failure, the result about to be published)."""
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
+import sys
 import threading
 
 TERM_GRACE = 5.0  # seconds Prefect's handling of a SIGTERM gets before the process ends by the signal itself
@@ -48,7 +49,7 @@ def end_if_terminated() -> None:
 def _die_from_any_thread(sig: int) -> None:
     """End this process by ``sig`` from any thread: the signal's action reset to the default in the C library (Python
     lets only the main thread set a handler), then the signal sent to this process."""
-    from flows.local.daemon import die_by
+    import ctypes
 
     if threading.current_thread() is threading.main_thread():
         die_by(sig)
@@ -57,3 +58,70 @@ def _die_from_any_thread(sig: int) -> None:
         os.kill(os.getpid(), sig)
     finally:
         os._exit(128 + sig)
+
+
+def die_by(sig: int):
+    """End this process by `sig`, as the build's process ended (the shell sees 128+sig)."""
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except (OSError, ValueError):
+            pass
+    try:
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    except (OSError, ValueError):
+        pass
+    os._exit(128 + sig)  # a signal that does not end a process (SIGCHLD, ...)
+
+
+EXIT_HANDLERS_SECONDS = 20.0  # Ctrl-C's exit handlers (log flushes, temporary folders, Prefect's last events) at most
+
+
+def end_by(sig: int) -> None:
+    """One line on stderr, then the process ends by `sig` (as a process without a handler for it would); exit
+    handlers run for Ctrl-C as the interpreter runs them for an uncaught KeyboardInterrupt, not for SIGTERM, but for
+    at most EXIT_HANDLERS_SECONDS, and a second Ctrl-C meanwhile ends the process at once. From the main thread."""
+    import atexit
+
+    print(f"trtforge: stopped by {signal.Signals(sig).name}", file=sys.stderr)
+    if sig == signal.SIGINT:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C ends the process at once
+        watchdog = threading.Timer(EXIT_HANDLERS_SECONDS, _exit_handlers_overdue, (threading.main_thread().ident,))
+        watchdog.daemon = True
+        watchdog.start()
+        atexit._run_exitfuncs()
+        watchdog.cancel()
+    die_by(sig)
+
+
+def _exit_handlers_overdue(thread: int) -> None:
+    """Ctrl-C's exit handlers still run after EXIT_HANDLERS_SECONDS: say where they wait, then end by SIGINT (its
+    handler is the default by now: the process ends as a second Ctrl-C would end it)."""
+    import traceback
+
+    frame = sys._current_frames().get(thread)
+    where = "; ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}"
+                      for f in traceback.extract_stack(frame)[-3:]) if frame is not None else "unknown"
+    print(f"trtforge: the exit handlers did not end within {EXIT_HANDLERS_SECONDS:.0f} s (waiting at {where}); "
+          "ended without them", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def _ctrl_c_while_starting(signum, frame) -> None:
+    end_by(signal.SIGINT)
+
+
+def on_ctrl_c_while_starting() -> None:
+    """Ctrl-C while the CLI imports and starts (before ``flows.cli.finish`` answers it): the same line and end as
+    later, not the interpreter's traceback from inside an import. A CLI started ignoring Ctrl-C (a background job of
+    a script) keeps ignoring it."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _ctrl_c_while_starting)
+
+
+def ctrl_c_as_keyboard_interrupt() -> None:
+    """From here on Ctrl-C raises KeyboardInterrupt where the build is (``flows.cli.finish`` answers it), unless the CLI
+    was started ignoring it."""
+    if signal.getsignal(signal.SIGINT) is _ctrl_c_while_starting:
+        signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -38,8 +38,9 @@ CTRL_C = r"""
 import atexit, sys, threading, time
 from pathlib import Path
 import flows.cli as cli
+import flows.local.termination as termination
 out = Path(sys.argv[1])
-cli.EXIT_HANDLERS_SECONDS = 2.0
+termination.EXIT_HANDLERS_SECONDS = 2.0
 def stuck_on_the_server():
     threading.Event().wait()  # an exit handler that never ends (a drain that waits on a server which never answers)
 if sys.argv[2] == "stuck":
@@ -71,6 +72,31 @@ def test_ctrl_c_runs_the_exit_handlers_but_never_waits_on_them_without_end(tmp_p
         else:
             assert len(lines) == 2 and "did not end within 2 s" in lines[1] and "stuck_on_the_server" in lines[1], lines
             assert time.monotonic() - t0 >= 2.0
+
+
+MID_IMPORT = r"""
+import os, runpy, signal, sys
+at = sys.argv[1]
+class CtrlCAt:  # Ctrl-C as the CLI starts importing this module
+    def find_spec(self, name, path=None, target=None):
+        if name == at:
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+sys.meta_path.insert(0, CtrlCAt())
+sys.argv = ["flows.build", "--cfg", "model=ppocr_cls", "precision=fp32"]
+runpy.run_module("flows.build", run_name="__main__", alter_sys=True)  # as `python -m flows.build`
+"""
+
+
+def test_ctrl_c_while_the_cli_imports_says_the_same_line_not_a_traceback():
+    """Ctrl-C while the CLI still imports (a real SIGINT, sent as each module's import starts): one line and the end
+    by SIGINT, as mid-build, never the interpreter's traceback from inside an import."""
+    import signal
+
+    for module in ("uuid", "omegaconf", "flows.config", "tasks.report"):
+        p = subprocess.run([sys.executable, "-c", MID_IMPORT, module], cwd=ROOT, capture_output=True, text=True,
+                           timeout=60)
+        assert (p.returncode, p.stderr) == (-signal.SIGINT, "trtforge: stopped by SIGINT\n"), (module, p.stderr)
 
 
 def _cfg(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
