@@ -93,9 +93,12 @@ def test_ctrl_c_while_the_cli_imports_says_the_same_line_not_a_traceback():
     by SIGINT, as mid-build, never the interpreter's traceback from inside an import."""
     import signal
 
+    def answers_ctrl_c() -> None:  # as a terminal's job does, whatever this suite inherited (`make test &`: ignored)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
     for module in ("uuid", "omegaconf", "flows.config", "tasks.report"):
         p = subprocess.run([sys.executable, "-c", MID_IMPORT, module], cwd=ROOT, capture_output=True, text=True,
-                           timeout=60)
+                           timeout=60, preexec_fn=answers_ctrl_c)
         assert (p.returncode, p.stderr) == (-signal.SIGINT, "trtforge: stopped by SIGINT\n"), (module, p.stderr)
 
 
