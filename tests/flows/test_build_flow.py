@@ -186,6 +186,7 @@ def test_fp16_for_sm_89_and_accuracy_budget_failure(prefect_harness, user_config
     assert ok["status"] == "ok" and 0.999 < ok["metrics"]["cosine_min"] < 1.0
     # fp16 that meets the budget in validate pays nothing for the fp16 accuracy search (it runs only after a miss)
     assert "search_runs" not in ok["metrics"] and "fp16_search" not in ok["stages"]["build"]
+    assert list(ok["data"]) == ["validation"]  # the search's held-out inputs were not needed: not made, not reported
     # the validate gate itself (the fp16 search off: with it, a budget of 1.0 fails in the build, test_fp16search_flow)
     bad = build(["model=tiny", "precision=fp16", "target=sm_89", "accuracy.min_cosine=1.0", "calibration.search=false"],
                 user_config_dir, tmp_path)

@@ -210,7 +210,8 @@ def test_a_record_kept_by_a_cached_stage_describes_the_set_without_making_it_aga
     takes seconds); a set whose content differs (another seed) does not take it."""
     made = split(validate=True, calibrate=False, search=False, validation_samples=5, validation_seed=3)
     kept = made.made_records()
-    assert kept == {}  # nothing made yet
+    assert kept == {} and made.summary() == {}  # nothing made yet: nothing read, nothing described
+    assert made.validation.feeds  # a stage reads it
     want = made.summary()
     kept = made.made_records()
     assert set(kept) == {"validation"} and kept["validation"]["record"] == want["validation"]
@@ -224,5 +225,5 @@ def test_a_record_kept_by_a_cached_stage_describes_the_set_without_making_it_aga
     assert again.summary() == want and again.validation.samples == want["validation"]["samples"]
     other = split(validate=True, calibrate=False, search=False, validation_samples=5, validation_seed=4)
     other.remember(kept)
-    assert not other.validation.made and other.summary()["validation"]["samples"] >= 1
-    assert other.validation.made  # its own content, made
+    assert not other.validation.made and other.summary() == {}  # its own content: not made only to be described
+    assert other.validation.feeds and other.summary()["validation"]["samples"] >= 1
