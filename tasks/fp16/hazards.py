@@ -53,7 +53,8 @@ CANCEL_CONE_MAX = 24  # a cone larger than this keeps only the subtraction and i
 def fp16_hazards_from_data(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]],
                            data_max: float = DATA_MAX, underflow: bool = False) -> tuple[dict[str, float], ...]:
     """What fp16 would break on ``feeds`` (the user's data), judged on the fp32 model in ONNX Runtime with every float
-    value exposed (in parts of at most EXPOSED_MIB, _exposed_parts), one feed at a time (at most RANGE_FEEDS):
+    value exposed (in parts of at most EXPOSED_MIB for a feed whose values take more, _exposed_runs), one feed at a
+    time (at most RANGE_FEEDS):
 
     * range: {value: max |value|} for every node output (or graph input) above ``data_max`` in magnitude or not
       finite; the nodes making or reading it stay fp32 (as ModelOpt AutoCast classifies nodes by magnitude);
@@ -83,12 +84,12 @@ def fp16_hazards_from_data(model: onnx.ModelProto, feeds: list[dict[str, np.ndar
     whole: dict[int, list[float]] = {}  # subtraction -> [sum |a|^2 + |b|^2 (broadcast), sum |result|^2] over the feeds
     spread: dict[int, list[np.ndarray]] = {}  # amplified subtraction -> its elements' fp16 relative errors
     fills = _before_softmax(g)
-    for names in _exposed_parts(model, floats, subtractions, feeds[:RANGE_FEEDS]):
+    for names, run_feeds in _exposed_runs(model, floats, subtractions, feeds[:RANGE_FEEDS]):
         m = onnx.ModelProto()
         m.CopyFrom(model)
         sess = _session_exposing(m, names)
         del m
-        for feed in feeds[:RANGE_FEEDS]:
+        for feed in run_feeds:
             held = _values_on(sess, names, feed)
             bad = _record_extremes(held, peak, tiny, underflow, fills, data_max)
             _record_cancellations(held, consts, subtractions, amplified, bad, whole, spread)
@@ -107,22 +108,59 @@ def _float_values(g: onnx.GraphProto) -> list[str]:
             if o and types.get(o, TensorProto.FLOAT) in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE)]
 
 
+def _exposed_runs(model: onnx.ModelProto, floats: list[str], subtractions: list[onnx.NodeProto],
+                  feeds: list[dict[str, np.ndarray]]) -> list[tuple[list[str], list[dict[str, np.ndarray]]]]:
+    """The runs that judge ``feeds``: (values exposed, the feeds run so). The feeds whose values all fit in EXPOSED_MIB
+    run once each with every value exposed; the others in parts (``_exposed_parts`` over them alone). PP-OCRv4 det's
+    pages of 32x32 to 1280x1280 ran in 3 parts each, 12 runs; now 6, only the 1280x1280 page in parts."""
+    sizes = _sizes_by_feed(model, floats, feeds)
+    if sizes is None:
+        return [(floats, feeds)]
+    whole = [f for f, size in zip(feeds, sizes) if sum(size.values()) <= EXPOSED_MIB << 20]
+    apart = [(f, size) for f, size in zip(feeds, sizes) if sum(size.values()) > EXPOSED_MIB << 20]
+    runs = [(floats, whole)] if whole else []
+    if apart:
+        largest = {n: max(size[n] for _, size in apart) for n in floats}
+        runs += [(part, [f for f, _ in apart]) for part in _parts(floats, subtractions, largest)]
+    return runs
+
+
 def _exposed_parts(model: onnx.ModelProto, floats: list[str], subtractions: list[onnx.NodeProto],
                    feeds: list[dict[str, np.ndarray]]) -> list[list[str]]:
     """``floats`` in parts whose values take at most EXPOSED_MIB on every feed (one part when they all fit, the usual
     case), a subtraction's operands and result in one part (its cancellation is judged from the three at once). Every
-    exposed value stays alive until its run ends: a TTS model's float values at 32 tokens took 7.6 GB at once. Sizes
-    at each distinct input shape of the feeds' first samples: from ONNX shape inference, without a run, where it knows
-    every value's shape; else from ONNX Runtime's profile of a plain run."""
-    wanted = set(floats)
-    samples = [{k: (v[:1] if getattr(v, "ndim", 0) else v) for k, v in f.items()} if _batched(f) else f for f in feeds]
-    size = _static_sizes(model, floats, samples)
-    if size is None:
-        size = _profiled_sizes(model, floats, samples, feeds)
-        if size is None:
-            return [floats]
+    exposed value stays alive until its run ends: a TTS model's float values at 32 tokens took 7.6 GB at once."""
+    sizes = _sizes_by_feed(model, floats, feeds)
+    if sizes is None:
+        return [floats]
+    return _parts(floats, subtractions, {n: max(size[n] for size in sizes) for n in floats})
+
+
+def _sizes_by_feed(model: onnx.ModelProto, floats: list[str],
+                   feeds: list[dict[str, np.ndarray]]) -> list[dict[str, int]] | None:
+    """Per feed, {value: bytes} of ``floats`` on its first sample (a model that takes no other batch: the whole feed):
+    from ONNX shape inference, without a run, where it knows every value's shape; else from ONNX Runtime's profile of
+    a plain run; None when neither can size them. Each distinct input shape is sized once."""
+    known: dict[tuple, dict[str, int] | None] = {}
+    out = []
+    for f in feeds:
+        sample = {k: (v[:1] if getattr(v, "ndim", 0) else v) for k, v in f.items()} if _batched(f) else f
+        shape = tuple(sorted((k, tuple(np.shape(v))) for k, v in sample.items()))
+        if shape not in known:
+            size = _static_sizes(model, floats, [sample])
+            known[shape] = size if size is not None else _profiled_sizes(model, floats, [sample], [f])
+        if known[shape] is None:
+            return None
+        out.append(known[shape])
+    return out
+
+
+def _parts(floats: list[str], subtractions: list[onnx.NodeProto], size: dict[str, int]) -> list[list[str]]:
+    """``floats`` in parts of at most EXPOSED_MIB by ``size`` (one when they all fit), a subtraction's operands and
+    result in one part."""
     if sum(size.values()) <= EXPOSED_MIB << 20:
         return [floats]
+    wanted = set(floats)
     group = {n: i for i, n in enumerate(floats)}  # each value its own group; a subtraction's three values one group
     members: dict[int, list[str]] = {i: [n] for i, n in enumerate(floats)}
     for n in subtractions:

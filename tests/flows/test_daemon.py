@@ -216,7 +216,7 @@ def test_exit_codes_and_messages_are_the_same_warm_or_cold(both):
 
 @pytest.mark.slow
 def test_ctrl_c_ctrl_z_and_sigterm_mid_build_end_it_the_same_way_warm_or_cold(both):
-    outcome = {}
+    outcome, said = {}, {}
     for mode in MODES:
         w = both[mode]
         # Ctrl-Z then Ctrl-C, as a terminal sends them: to the job's process group
@@ -229,6 +229,7 @@ def test_ctrl_c_ctrl_z_and_sigterm_mid_build_end_it_the_same_way_warm_or_cold(bo
         ended(proc, 300, f"{mode}: Ctrl-C after Ctrl-Z and fg")
         wait_for(lambda: gone(procs), 60, f"{mode}: the build outlived Ctrl-C")
         interrupted = (proc.returncode, tail(proc.stderr.read()))
+        said[mode] = proc.stdout.read()[-1500:]  # what the build printed, should it end otherwise
         # a job started with `&` from a script ignores Ctrl-C (its shell set SIGINT to ignored): so does its build;
         # `kill PID` (SIGTERM to the CLI alone) ends it
         proc, build, procs = long_build(w, "target=sm_89", background=True)
@@ -247,8 +248,8 @@ def test_ctrl_c_ctrl_z_and_sigterm_mid_build_end_it_the_same_way_warm_or_cold(bo
         for t in ("sm_80", "sm_89", "sm_75"):
             assert not (w[0] / "out" / "tiny" / t / "fp16" / "summary.json").exists()  # none of them finished
         outcome[mode] = (interrupted, terminated, proc.returncode)
-    assert outcome["warm"] == outcome["cold"]
-    assert outcome["cold"] == ((-signal.SIGINT, "trtforge: stopped by SIGINT"), -signal.SIGTERM, -signal.SIGKILL)
+    assert outcome["warm"] == outcome["cold"], said
+    assert outcome["cold"] == ((-signal.SIGINT, "trtforge: stopped by SIGINT"), -signal.SIGTERM, -signal.SIGKILL), said
 
 
 @pytest.mark.slow

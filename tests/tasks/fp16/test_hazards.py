@@ -68,7 +68,7 @@ def _layernorm_model(path, variance: str):
               oh.make_node("MatMul", ["normed", "w"], ["y"])]
     g = oh.make_graph(nodes, "ln", [oh.make_tensor_value_info("x", TP.FLOAT, ["N", n])],
                       [oh.make_tensor_value_info("y", TP.FLOAT, ["N", 16])], inits)
-    m = oh.make_model(g, opset_imports=[oh.make_opsetid("", 17)])
+    m = oh.make_model(g, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)
     m.ir_version = 8
     onnx.save(m, str(path))
     return path
@@ -184,4 +184,31 @@ def test_values_too_large_to_expose_at_once_are_judged_in_parts_with_the_same_ve
     assert len(parts) > 2 and sorted(sum(parts, [])) == sorted(floats)
     for n in subs:  # a subtraction's three values together
         assert len({i for i, p in enumerate(parts) for v in (*n.input, n.output[0]) if v in p}) == 1, n.output[0]
+    assert hazards.fp16_hazards_from_data(m, feeds, underflow=True) == whole
+
+
+
+def test_only_the_feeds_whose_values_do_not_fit_run_in_parts(tmp_path, monkeypatch):
+    """A feed whose values fit in EXPOSED_MIB runs once with every value exposed, whatever a larger feed of the same
+    check needs (PP-OCRv4 det's fp16 check: pages of 32x32 to 1280x1280, 12 runs in 3 parts, 6 now); the verdicts are
+    those of every value exposed at once."""
+    import tasks.fp16.hazards as hazards
+
+    nodes = [oh.make_node("Neg", ["x"], ["n"]), oh.make_node("Abs", ["n"], ["a"]),
+             oh.make_node("Sub", ["x", "a"], ["d"]), oh.make_node("Mul", ["d", "d"], ["y"])]
+    g = oh.make_graph(nodes, "g", [oh.make_tensor_value_info("x", TP.FLOAT, [1, "n"])],
+                      [oh.make_tensor_value_info("y", TP.FLOAT, [1, "n"])])
+    m = oh.make_model(g, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)
+    rng = np.random.default_rng(0)
+    small = {"x": rng.standard_normal((1, 16)).astype(np.float32) * 4e4}  # beyond fp16's range: a verdict to keep
+    large = {"x": rng.standard_normal((1, 1 << 19)).astype(np.float32)}  # 2 MiB a value
+    feeds = [small, large, small]
+    whole = hazards.fp16_hazards_from_data(m, feeds, underflow=True)
+    assert whole[0], whole
+    monkeypatch.setattr(hazards, "EXPOSED_MIB", 1)
+    floats = hazards._float_values(m.graph)
+    subs = [n for n in m.graph.node if n.op_type == "Sub"]
+    runs = hazards._exposed_runs(m, floats, subs, feeds)
+    assert runs[0] == (floats, [small, small]) and len(runs) > 2  # the small feeds: one run each, every value
+    assert all(fs == [large] for _, fs in runs[1:]) and sorted(sum((p for p, _ in runs[1:]), [])) == sorted(floats)
     assert hazards.fp16_hazards_from_data(m, feeds, underflow=True) == whole
