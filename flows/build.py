@@ -96,7 +96,7 @@ def build_flow() -> dict:
     """The build of the context set in `_current` (run_build)."""
     from prefect.runtime import flow_run
 
-    watch_termination()  # a SIGTERM from here on ends the build by it, whatever code it arrives in
+    watch_termination()  # a SIGTERM or Ctrl-C from here on ends the build by it, whatever code it arrives in
     ctx = _current.get()
     ctx.origin = {"run": f"{flow_run.get_name()} ({flow_run.get_id()})"}  # stored with every result computed here
     timeline.mark("flow run started")
@@ -107,7 +107,7 @@ def build_flow() -> dict:
         if ctx.error is not None and ctx.error.exit_code != 1:
             return None  # bad input (or a host that cannot build it) found mid-way: nothing is published or tracked
     timeline.mark("stages done")
-    end_if_terminated()  # a stage that took a SIGTERM for an error of its own: nothing is published
+    end_if_terminated()  # a stage that took a SIGTERM or Ctrl-C for an error of its own: nothing is published
     return publish(ctx)
 
 

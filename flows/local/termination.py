@@ -1,5 +1,5 @@
-"""How a signal ends a build: a SIGTERM mid-stage ends it by that signal, whatever code it arrives in; Ctrl-C and
-SIGTERM end it with one line (``end_by``), in every phase of the CLI (``on_ctrl_c_while_starting``).
+"""How a signal ends a build: a SIGTERM or Ctrl-C mid-stage ends it by that signal, whatever code it arrives in; Ctrl-C
+and SIGTERM end it with one line (``end_by``), in every phase of the CLI (``on_ctrl_c_while_starting``).
 
 Prefect's flow engine turns SIGTERM into an exception (TerminationSignal) raised wherever the main thread is, and code
 that catches broadly can take it for something else: arriving while a native module was being imported it became
@@ -16,13 +16,30 @@ import sys
 import threading
 
 TERM_GRACE = 5.0  # seconds Prefect's handling of a SIGTERM gets before the process ends by the signal itself
+INT_GRACE = 10.0  # seconds a Ctrl-C's KeyboardInterrupt gets to end the build before the process ends by SIGINT itself
 _received: list[int] = []
+_interrupted: list[int] = []  # a Ctrl-C reached the flow
+_ending = threading.Event()  # end_by answers the signal: the grace timers stand down
 
 
 def watch_termination() -> None:
     """From the flow's main thread: wrap the SIGTERM handler in place (Prefect's) for the rest of the flow run (the
-    engine restores its predecessor when the run ends). Elsewhere (a thread) nothing changes."""
+    engine restores its predecessor when the run ends), and the SIGINT handler: a Ctrl-C still raises KeyboardInterrupt
+    where the build is, and where code swallows it (a library that catches everything, an error it is turned into)
+    the process ends by SIGINT within INT_GRACE all the same (a build that ran on after Ctrl-C for minutes, or published
+    a failed result). A Ctrl-C the CLI was started ignoring stays ignored. Elsewhere (a thread) nothing changes."""
     try:
+        before_int = signal.getsignal(signal.SIGINT)
+        if callable(before_int) and not getattr(before_int, "watched", False):
+            def on_int(signum, frame):
+                if not _interrupted:
+                    _interrupted.append(signum)
+                    timer = threading.Timer(INT_GRACE, _interrupt_overdue)
+                    timer.daemon = True
+                    timer.start()
+                before_int(signum, frame)
+            on_int.watched = True
+            signal.signal(signal.SIGINT, on_int)
         before = signal.getsignal(signal.SIGTERM)
 
         def on_term(signum, frame):
@@ -41,9 +58,19 @@ def watch_termination() -> None:
 
 
 def end_if_terminated() -> None:
-    """End the process by the SIGTERM it received, if it received one (before a failure or a result is recorded)."""
+    """End the process by the SIGTERM it received, if it received one, and raise KeyboardInterrupt for a Ctrl-C that
+    code took for an error of its own (before a failure or a result is recorded)."""
     if _received:
         _die_from_any_thread(_received[0])
+    if _interrupted:
+        raise KeyboardInterrupt
+
+
+def _interrupt_overdue() -> None:
+    """A Ctrl-C's KeyboardInterrupt did not end the build within INT_GRACE (code swallowed it): end it by SIGINT."""
+    if not _ending.is_set():
+        print("trtforge: stopped by SIGINT", file=sys.stderr, flush=True)
+        _die_from_any_thread(signal.SIGINT)
 
 
 def _die_from_any_thread(sig: int) -> None:
@@ -84,6 +111,7 @@ def end_by(sig: int) -> None:
     at most EXIT_HANDLERS_SECONDS, and a second Ctrl-C meanwhile ends the process at once. From the main thread."""
     import atexit
 
+    _ending.set()
     print(f"trtforge: stopped by {signal.Signals(sig).name}", file=sys.stderr)
     if sig == signal.SIGINT:
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C ends the process at once
