@@ -111,8 +111,10 @@ def _float_values(g: onnx.GraphProto) -> list[str]:
 def _exposed_runs(model: onnx.ModelProto, floats: list[str], subtractions: list[onnx.NodeProto],
                   feeds: list[dict[str, np.ndarray]]) -> list[tuple[list[str], list[dict[str, np.ndarray]]]]:
     """The runs that judge ``feeds``: (values exposed, the feeds run so). The feeds whose values all fit in EXPOSED_MIB
-    run once each with every value exposed; the others in parts (``_exposed_parts`` over them alone). PP-OCRv4 det's
-    pages of 32x32 to 1280x1280 ran in 3 parts each, 12 runs; now 6, only the 1280x1280 page in parts."""
+    run once each with every value exposed; the others in parts sized on the largest of them, a subtraction's operands
+    and result in one part (its cancellation is judged from the three at once). Every exposed value stays alive until
+    its run ends: a TTS model's float values at 32 tokens took 7.6 GB at once. PP-OCRv4 det's pages of 32x32 to
+    1280x1280 ran in 3 parts each, 12 runs; now 6, only the 1280x1280 page in parts."""
     sizes = _sizes_by_feed(model, floats, feeds)
     if sizes is None:
         return [(floats, feeds)]
@@ -123,17 +125,6 @@ def _exposed_runs(model: onnx.ModelProto, floats: list[str], subtractions: list[
         largest = {n: max(size[n] for _, size in apart) for n in floats}
         runs += [(part, [f for f, _ in apart]) for part in _parts(floats, subtractions, largest)]
     return runs
-
-
-def _exposed_parts(model: onnx.ModelProto, floats: list[str], subtractions: list[onnx.NodeProto],
-                   feeds: list[dict[str, np.ndarray]]) -> list[list[str]]:
-    """``floats`` in parts whose values take at most EXPOSED_MIB on every feed (one part when they all fit, the usual
-    case), a subtraction's operands and result in one part (its cancellation is judged from the three at once). Every
-    exposed value stays alive until its run ends: a TTS model's float values at 32 tokens took 7.6 GB at once."""
-    sizes = _sizes_by_feed(model, floats, feeds)
-    if sizes is None:
-        return [floats]
-    return _parts(floats, subtractions, {n: max(size[n] for size in sizes) for n in floats})
 
 
 def _sizes_by_feed(model: onnx.ModelProto, floats: list[str],

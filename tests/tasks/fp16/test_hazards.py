@@ -173,14 +173,14 @@ def test_values_too_large_to_expose_at_once_are_judged_in_parts_with_the_same_ve
     assert whole[0] and whole[1], whole  # both checks have something to say
     floats = hazards._float_values(m.graph)
     subs = [n for n in m.graph.node if n.op_type in ("Sub", "Add") and len(n.input) == 2 and all(n.input)]
-    assert hazards._exposed_parts(m, floats, subs, feeds) == [floats]  # small: one part, one run per feed
+    assert [p for p, _ in hazards._exposed_runs(m, floats, subs, feeds)] == [floats]  # small: one part, one run per feed
     # sizes from shape inference, without a run, are those of ONNX Runtime's profile of a run
     samples = [{"x": f["x"][:1]} for f in feeds]
     static = hazards._static_sizes(m, floats, samples)
     assert static is not None and static == hazards._profiled_sizes(m, floats, samples, feeds)
     assert all(v > 0 for v in static.values())
     monkeypatch.setattr(hazards, "EXPOSED_MIB", 0)  # every group of values in a part of its own
-    parts = hazards._exposed_parts(m, floats, subs, feeds)
+    parts = [p for p, _ in hazards._exposed_runs(m, floats, subs, feeds)]
     assert len(parts) > 2 and sorted(sum(parts, [])) == sorted(floats)
     for n in subs:  # a subtraction's three values together
         assert len({i for i, p in enumerate(parts) for v in (*n.input, n.output[0]) if v in p}) == 1, n.output[0]
